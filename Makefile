@@ -1,0 +1,60 @@
+# xscale: `make demo` and `make test` work on a fresh machine; both run `setup` first.
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.xscale-installed
+BUILD   := build
+SHELL_SOURCES = $(shell git ls-files 'runscripts/*' 'jobs/*' 'tests/*.sh' 'tests/**/*.sh' 'tests/shim/*' '.ci/run' | \
+                  while read -r f; do head -c 100 "$$f" | grep -qE '^(\#!.*(ba)?sh|\# shellcheck shell=bash)' && echo "$$f"; done)
+
+.PHONY: help setup system-packages venv test lint unit demo bench cluster-up cluster-down clean
+
+help:
+	@echo "make demo          set up, start the virtual cluster, train MNIST on 2 nodes x 2 ranks"
+	@echo "make test          set up, lint, unit tests, end-to-end tests on the virtual cluster"
+	@echo "make setup | lint | bench | cluster-up | cluster-down | clean"
+
+setup: system-packages venv
+
+system-packages:
+	@bash tests/cluster/install-system-packages.sh
+
+venv: $(STAMP)
+
+# Re-installs only when a requirements file changes (the stamp is newer otherwise).
+$(STAMP): requirements.txt requirements-deepspeed.txt
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation -r requirements-deepspeed.txt
+	@touch $@
+
+lint: setup
+	shellcheck $(SHELL_SOURCES)
+	$(VENV)/bin/ruff check python tests runscripts
+
+# One pytest run for everything (the bats suites run from tests/test_bats.py), so CI reads one
+# closing line.
+test: lint
+	$(PY) -m pytest -q tests
+
+unit: setup
+	$(PY) -m pytest -q tests -m "not cluster"
+
+cluster-up: setup
+	@bash tests/cluster/cluster-up.sh
+
+cluster-down:
+	@bash tests/cluster/cluster-down.sh
+
+demo: setup cluster-up
+	@bash jobs/local/demo.sh
+
+bench: setup cluster-up
+	@bash tests/bench/run-all.sh
+
+clean:
+	rm -rf $(BUILD) .pytest_cache .ruff_cache

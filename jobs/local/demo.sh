@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# `make demo`: train the MNIST smoke test on the virtual cluster, 2 nodes x 2 ranks, through the
+# singularity shim and runscripts/run.sh, then print a readable summary of the run.
+# Expects `make setup cluster-up` to have run (the Makefile does that first).
+set -euo pipefail
+
+REPO=$(cd "${BASH_SOURCE[0]%/*}/../.." && pwd -P)
+readonly REPO DEMO_DIR=$REPO/build/demo
+cd "$REPO"
+# The job inherits this PATH: the shim stands in for singularity, the venv for the image's python.
+export PATH="$REPO/tests/shim:$REPO/.venv/bin:$PATH"
+
+mkdir -p "$DEMO_DIR"
+if [[ ! -e $DEMO_DIR/mnist/train-images-idx3-ubyte ]]; then
+  python tests/fixtures/mnist_idx.py "$DEMO_DIR/mnist" >/dev/null
+fi
+
+printf 'xscale demo: submitting jobs/local/mnist.sbatch (2 nodes x 2 ranks) ...\n'
+job_id=$(sbatch --parsable --wait --output="$DEMO_DIR/mnist-%j.out" \
+  --export=ALL,DATA="$DEMO_DIR/mnist" jobs/local/mnist.sbatch) || {
+  status=$?
+  printf 'demo: error: the job failed (sbatch exit %s); its output is in %s\n' \
+    "$status" "$DEMO_DIR" >&2
+  tail -n 20 "$DEMO_DIR"/mnist-*.out >&2 || true
+  exit 1
+}
+printf 'xscale demo: job %s finished; output in %s\n' "$job_id" "$DEMO_DIR/mnist-$job_id.out"
+PYTHONPATH=$REPO/python python -m xscale.report "$DEMO_DIR/mnist-$job_id.out"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# run.sh plus a profiler in front of the command on the ranks in PROFILE_RANKS (default 0):
+#   srun singularity exec $SIF /runscripts/run-profile.sh python train.py ...
+# Profiling every rank of a large job drowns the file system and skews the run; training is
+# usually balanced, so one rank tells the story. The other ranks exec the command plainly.
+set -euo pipefail
+
+XS_PROG=run-profile.sh
+# shellcheck source=runscripts/lib/xscale-env.sh
+source "${BASH_SOURCE[0]%/*}/lib/xscale-env.sh"
+
+usage() {
+  cat <<'EOF_USAGE'
+Usage: run-profile.sh [--print-env | --help] CMD [ARGS...]
+
+Everything run.sh does (see run.sh --help), and on the selected ranks CMD runs under a profiler.
+
+  PROFILE_RANKS   ranks to profile: 14 | 0,8-15 | all | last (default 0). Malformed: exit 2.
+  PROFILER        command template with {rank} and {dir}; site defaults:
+                    lumi     rocprof --hip-trace --stats -o {dir}/rank{rank}/results.csv
+                    nvidia   nsys profile -t cuda,nvtx -o {dir}/rank{rank}
+                    generic  py-spy record -o {dir}/rank{rank}.svg --
+  PROFILE_DIR     where profiles go (default ./profile-JOBID); {dir}/rank{rank} is created
+  PROFILE_STEP_START, PROFILE_STEPS   exported for the trainer: which steps to record (10, 32)
+  XSCALE_PROFILED=1   exported on profiled ranks only, so the trainer can mark the window
+EOF_USAGE
+}
+
+xs_main profile "$@"

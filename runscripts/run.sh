@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Per-rank entrypoint, run inside the container by every rank:
+#   srun singularity exec $SIF /runscripts/run.sh python train.py ...
+# Exports the rank layout, rendezvous and site environment, then exec's the command, which keeps
+# this PID so Slurm's signals reach it. Logic lives in lib/xscale-env.sh (shared with
+# run-profile.sh); this file is only the command line.
+set -euo pipefail
+
+XS_PROG=run.sh
+# shellcheck source=runscripts/lib/xscale-env.sh
+source "${BASH_SOURCE[0]%/*}/lib/xscale-env.sh"
+
+usage() {
+  cat <<'EOF'
+Usage: run.sh [--print-env | --help] CMD [ARGS...]
+
+Exports the distributed-training environment for this rank, then exec's CMD with ARGS. ARGS pass
+byte-exact, except that $NAME and ${NAME} naming an exported variable are replaced by its value
+for this rank (so '--rank \$SLURM_PROCID' works); every other $ form stays as written.
+
+  --print-env   print KEY=VALUE for every variable run.sh exports (sorted) and exit
+  --help        this text
+
+Launchers (first match wins): torchrun (RANK and WORLD_SIZE already set), Slurm (srun task),
+PBS/PALS (Aurora mpiexec), Open MPI (mpirun), MPICH/Cray PMI; otherwise one process, rank 0 of 1.
+
+Exported (each kept if already set):
+  RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE NODE_RANK NNODES
+                      this rank's place, read from the launcher's own variables
+  MASTER_ADDR         first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST, or
+                      the first line of PBS_NODEFILE; 127.0.0.1 for one process. Best set by the
+                      job script outside the container.
+  MASTER_PORT         10000 + (16*job_id + step_id%16) % 22768: equal on all ranks, different for
+                      neighbouring jobs and concurrent steps sharing a node
+  XSCALE_CACHE_DIR    node-local cache, /tmp/xscale-USER-JOB.STEP-NODE (mode 0700; a symlink or a
+                      directory of another user is refused). XSCALE_CACHE_ROOT replaces /tmp.
+  TORCH_EXTENSIONS_DIR, TRITON_CACHE_DIR   inside XSCALE_CACHE_DIR (JIT builds off Lustre)
+  OMP_NUM_THREADS     CPUs in this rank's affinity mask (what --cpu-bind gave it)
+  TORCH_NCCL_ASYNC_ERROR_HANDLING=1, XSCALE_TIMEOUT_S=600   a dead rank fails the job, not hangs it
+  XSCALE_SITE, XSCALE_LAUNCHER   what was detected
+  plus the site profile's variables (runscripts/sites/SITE.sh; see its README).
+
+Settings read:
+  XSCALE_SITE=lumi|aurora|nvidia|generic   site profile (default: detected)
+  XSCALE_GPU_BIND=none|local   local: narrow ROCR/CUDA_VISIBLE_DEVICES or ZE_AFFINITY_MASK to this
+                      rank's GPUs, unless the scheduler already did (default none: every rank sees
+                      the node's GPUs and picks LOCAL_RANK)
+  XSCALE_DEBUG=1      NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,COLL, one NCCL_DEBUG_FILE per rank in
+                      XSCALE_LOG_DIR (default ./xscale-logs)
+  XSCALE_VERBOSE=1    every rank prints its rank, node, CPU list and visible GPUs on stderr
+  XSCALE_EXPAND_ARGS=0   pass ARGS without $NAME expansion
+  WITH_CONDA          set by LUMI's AMD images: run before CMD so python is the image's
+
+Errors are one line on stderr and exit status 2; nothing is run.
+EOF
+}
+
+xs_main plain "$@"

@@ -1,0 +1,136 @@
+"""Shared pytest fixtures: the repository paths and the virtual Slurm cluster.
+
+Tests that cross ranks run on a real Slurm (slurmctld + two slurmd, see tests/cluster/) through
+the bubblewrap `singularity` shim, because hand-set SLURM_* variables only test our assumptions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = REPO / ".venv" / "bin"
+SHIM_DIR = REPO / "tests" / "shim"
+RUNSCRIPTS = REPO / "runscripts"
+IN_CI = os.environ.get("CI") == "true"
+
+
+def tool_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a user's job would have: the shim and the venv first on PATH."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(SHIM_DIR), str(VENV_BIN), env.get("PATH", "")])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.pop("PYTHONPATH", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+@dataclass
+class Job:
+    job_id: str
+    state: str
+    exit_code: str
+    output: str
+
+
+class Cluster:
+    """Runs srun/sbatch against the virtual cluster from the repository root."""
+
+    def srun(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["srun", *args],
+            cwd=REPO,
+            env=tool_env(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def sbatch(
+        self,
+        script: str | Path,
+        *args: str,
+        sbatch_options: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        output: Path | None = None,
+        timeout: float = 600,
+    ) -> Job:
+        """Submit, wait for the job to end (sbatch --wait), and return its state and output."""
+        out_opts = ("-o", str(output)) if output else ()
+        proc = subprocess.run(
+            ["sbatch", "--parsable", "--wait", *out_opts, *sbatch_options, str(script), *args],
+            cwd=REPO,
+            env=tool_env(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        match = re.match(r"(\d+)", proc.stdout)
+        if not match:
+            raise AssertionError(f"sbatch failed: {proc.stdout}{proc.stderr}")
+        job_id = match.group(1)
+        state, exit_code = self.job_state(job_id)
+        text = output.read_text() if output and output.exists() else ""
+        return Job(job_id, state, exit_code, text)
+
+    def job_state(self, job_id: str) -> tuple[str, str]:
+        info = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id],
+            capture_output=True, text=True, timeout=30, check=False,
+        ).stdout
+        state = re.search(r"JobState=(\S+)", info)
+        code = re.search(r"ExitCode=(\S+)", info)
+        return (state.group(1) if state else "UNKNOWN", code.group(1) if code else "?")
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float) -> str:
+        """Poll until the job reaches one of `states` (bounded; polls real state, no fixed sleep)."""
+        deadline = time.monotonic() + timeout
+        state = "UNKNOWN"
+        while time.monotonic() < deadline:
+            state, _ = self.job_state(job_id)
+            if state in states:
+                return state
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} still {state} after {timeout}s")
+
+
+def _skip_or_fail(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"virtual cluster unavailable under CI: {reason}")
+    pytest.skip(f"virtual cluster unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Cluster:
+    """The virtual Slurm cluster (nid001, nid002), started if it is not running yet."""
+    if os.geteuid() != 0:
+        _skip_or_fail("it needs root (slurmd, munged); run the tests as root or in CI")
+    if not shutil.which("slurmctld"):
+        _skip_or_fail("slurm-wlm is not installed; run 'make setup'")
+    up = subprocess.run(
+        ["bash", str(REPO / "tests" / "cluster" / "cluster-up.sh")],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    if up.returncode != 0:
+        _skip_or_fail(up.stderr.strip().splitlines()[-1] if up.stderr.strip() else "cluster-up failed")
+    return Cluster()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that uses the cluster, so `make unit` can leave them out."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)

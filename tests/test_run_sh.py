@@ -1,0 +1,524 @@
+"""run.sh / run-profile.sh: launcher tables, rendezvous, caches, sites, arguments, profiling.
+
+These call the scripts directly with each launcher's variables (the Slurm set was recorded from a
+real srun task, tests/data/); test_cluster_e2e.py runs the same scripts under real srun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import REPO
+from tests.helpers import env_lines
+
+RUN_SH = REPO / "runscripts" / "run.sh"
+RUN_PROFILE = REPO / "runscripts" / "run-profile.sh"
+RECORDED_SLURM = REPO / "tests" / "data" / "slurm-srun-N2-n4-rank3.env"
+ARGV_PRINTER = [sys.executable, "-c", "import json,sys; print(json.dumps(sys.argv[1:]))"]
+
+
+def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A minimal environment: no launcher variables leak in from the test runner."""
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "USER": pwd.getpwuid(os.getuid()).pw_name,
+        "XSCALE_CACHE_ROOT": str(tmp_path),
+        "XSCALE_SITE": "generic",
+    }
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], env: dict[str, str], script: Path = RUN_SH, **kw):
+    return subprocess.run(
+        [str(script), *args], env=env, capture_output=True, text=True, timeout=30, **kw
+    )
+
+
+def print_env(env: dict[str, str], script: Path = RUN_SH) -> dict[str, str]:
+    proc = run(["--print-env"], env, script)
+    assert proc.returncode == 0, proc.stderr
+    return env_lines(proc.stdout)
+
+
+def recorded_slurm_env() -> dict[str, str]:
+    lines = RECORDED_SLURM.read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def expected_port(job: int, step: int = 0) -> str:
+    return str(10000 + (16 * job + step % 16) % 22768)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit 2, exactly one stderr line naming the problem, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(("run.sh: error: ", "run-profile.sh: error: ")), lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+# --- launchers --------------------------------------------------------------------------------
+
+LAYOUT = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES"]
+
+
+def layout(env: dict[str, str]) -> list[int]:
+    return [int(env[k]) for k in LAYOUT]
+
+
+def test_no_launcher_is_one_process(tmp_path):
+    env = print_env(base_env(tmp_path))
+    assert layout(env) == [0, 1, 0, 1, 0, 1]
+    assert env["MASTER_ADDR"] == "127.0.0.1"
+    assert 10000 <= int(env["MASTER_PORT"]) <= 32767
+    assert env["XSCALE_LAUNCHER"] == "none"
+
+
+def test_slurm_recorded_from_real_srun(tmp_path):
+    env = print_env(base_env(tmp_path, **recorded_slurm_env()))
+    assert env["XSCALE_LAUNCHER"] == "slurm"
+    assert layout(env) == [3, 4, 1, 2, 1, 2]
+    assert env["MASTER_ADDR"] == "nid001"
+    assert env["MASTER_PORT"] == expected_port(int(recorded_slurm_env()["SLURM_JOB_ID"]))
+
+
+@pytest.mark.parametrize(
+    ("tasks_per_node", "node", "local_world"),
+    [("8(x2),4", 0, 8), ("8(x2),4", 1, 8), ("8(x2),4", 2, 4), ("3,5(x2)", 2, 5), ("16", 0, 16)],
+)
+def test_slurm_compressed_tasks_per_node(tmp_path, tasks_per_node, node, local_world):
+    slurm = {
+        "SLURM_PROCID": "16", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "20",
+        "SLURM_NODEID": str(node), "SLURM_STEP_TASKS_PER_NODE": tasks_per_node,
+        "SLURM_NNODES": "3", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "nid[001-003]",
+    }
+    env = print_env(base_env(tmp_path, **slurm))
+    assert int(env["LOCAL_WORLD_SIZE"]) == local_world
+    assert env["NODE_RANK"] == str(node)
+
+
+def test_slurm_falls_back_to_nprocs_and_job_nodelist(tmp_path):
+    slurm = {
+        "SLURM_PROCID": "2", "SLURM_STEP_ID": "1", "SLURM_LOCALID": "0", "SLURM_NPROCS": "4",
+        "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "9", "SLURM_NODELIST": "gpu[17,19]",
+    }
+    env = print_env(base_env(tmp_path, **slurm))
+    assert layout(env) == [2, 4, 0, 2, 1, 2]
+    assert env["MASTER_ADDR"] == "gpu17"
+    assert env["MASTER_PORT"] == expected_port(9, 1)
+
+
+def test_batch_shell_is_not_a_slurm_rank(tmp_path):
+    """sbatch's own shell has SLURM_PROCID=0 but no step: it is one process, not rank 0 of N."""
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "5",
+             "SLURM_JOB_NODELIST": "nid[001-002]"}
+    env = print_env(base_env(tmp_path, **slurm))
+    assert env["XSCALE_LAUNCHER"] == "none"
+    assert env["WORLD_SIZE"] == "1"
+
+
+def test_torchrun_values_are_kept(tmp_path):
+    torchrun = {
+        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1", "MASTER_ADDR": "head", "MASTER_PORT": "4321",
+        "TORCHELASTIC_RUN_ID": "x",
+        # Slurm variables are there too when torchrun runs under srun: torchrun wins.
+        "SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
+    }
+    env = print_env(base_env(tmp_path, **torchrun))
+    assert env["XSCALE_LAUNCHER"] == "torchrun"
+    assert layout(env) == [5, 8, 1, 4, 1, 2]
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("head", "4321")
+
+
+def test_pbs_pals(tmp_path):
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x4000c0s0b0n0\nx4000c0s1b0n0\n")
+    pals = {
+        "PALS_RANKID": "13", "PALS_LOCAL_RANKID": "1", "PMI_SIZE": "24", "PALS_LOCAL_SIZE": "12",
+        "PALS_NODEID": "1", "PBS_NODEFILE": str(nodefile), "PBS_JOBID": "4242.aurora-pbs-0001",
+        "PMI_RANK": "13",
+    }
+    env = print_env(base_env(tmp_path, **pals))
+    assert env["XSCALE_LAUNCHER"] == "pbs"
+    assert layout(env) == [13, 24, 1, 12, 1, 2]
+    assert env["MASTER_ADDR"] == "x4000c0s0b0n0"
+    assert env["MASTER_PORT"] == expected_port(4242)
+
+
+def test_open_mpi(tmp_path):
+    ompi = {
+        "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        "MASTER_ADDR": "node7", "MASTER_PORT": "23456",
+    }
+    env = print_env(base_env(tmp_path, **ompi))
+    assert env["XSCALE_LAUNCHER"] == "openmpi"
+    assert layout(env) == [5, 8, 1, 4, 1, 2]
+
+
+def test_mpich_pmi(tmp_path):
+    pmi = {
+        "PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+        "MASTER_ADDR": "node1", "MASTER_PORT": "23456",
+    }
+    env = print_env(base_env(tmp_path, **pmi))
+    assert env["XSCALE_LAUNCHER"] == "pmi"
+    assert layout(env) == [3, 4, 1, 2, 1, 2]
+
+
+def test_mpi_without_master_is_a_clear_error(tmp_path):
+    proc = run(ARGV_PRINTER, base_env(tmp_path, PMI_RANK="1", PMI_SIZE="4"))
+    assert_user_error(proc, "MASTER_ADDR")
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({"SLURM_PROCID": "abc", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}, "SLURM_PROCID"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "four"}, "SLURM_NTASKS"),
+        ({"SLURM_PROCID": "4", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}, "world size"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "LOCAL_RANK"),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "2",
+          "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "local rank"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
+          "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "nid[1-"},
+         "SLURM_JOB_NODELIST"),
+    ],
+)
+def test_bad_rank_variables_stop_before_exec(tmp_path, variables, named):
+    marker = tmp_path / "ran"
+    proc = run(["touch", str(marker)], base_env(tmp_path, **variables))
+    assert_user_error(proc, named)
+    assert not marker.exists()
+
+
+# --- MASTER_PORT ---------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(job=st.integers(1, 10**9), step=st.integers(0, 10**4))
+def test_port_formula_range_and_neighbours(job, step):
+    port = int(expected_port(job, step))
+    assert 10000 <= port <= 32767
+    # Neighbouring jobs and the other concurrent steps of a job never share the port.
+    assert port != int(expected_port(job + 1, step))
+    if step % 16 != 15:
+        assert port != int(expected_port(job, step + 1))
+
+
+def test_port_matches_formula_and_differs_between_jobs_and_steps(tmp_path):
+    ports = {}
+    for job, step in [(1000, 0), (1001, 0), (1000, 1)]:
+        slurm = {
+            "SLURM_PROCID": "0", "SLURM_STEP_ID": str(step), "SLURM_NTASKS": "1",
+            "SLURM_JOB_ID": str(job), "SLURM_JOB_NODELIST": "n1",
+        }
+        ports[job, step] = print_env(base_env(tmp_path, **slurm))["MASTER_PORT"]
+        assert ports[job, step] == expected_port(job, step)
+    assert len(set(ports.values())) == 3
+
+
+def test_user_settings_win(tmp_path):
+    env = print_env(base_env(
+        tmp_path, MASTER_PORT="4242", MASTER_ADDR="me", OMP_NUM_THREADS="3",
+        TORCH_EXTENSIONS_DIR="/somewhere",
+    ))
+    assert (env["MASTER_PORT"], env["MASTER_ADDR"]) == ("4242", "me")
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["TORCH_EXTENSIONS_DIR"] == "/somewhere"
+
+
+# --- arguments ---------------------------------------------------------------------------------
+
+TRICKY_ARGS = [
+    "plain", "with space", "", "  ", "tab\there", "new\nline", "'single'", '"double"',
+    "*", "?.py", "[ab]", "back\\slash", "semi;colon", "pipe|x", "amp&", "$(touch /tmp/x)",
+    "`id`", "${HOME:-x}", "$", "$$", "$1", "trailing$", "ü\u00e9",
+]
+
+
+def test_arguments_pass_byte_exact(tmp_path):
+    proc = run([*ARGV_PRINTER, *TRICKY_ARGS], base_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == TRICKY_ARGS
+
+
+@pytest.mark.parametrize(
+    ("arg", "expanded"),
+    [
+        ("$SLURM_PROCID", "3"),
+        ("${SLURM_LOCALID}", "1"),
+        ("--rank=$RANK", "--rank=3"),
+        ("a${NODE_RANK}b$LOCAL_RANK", "a1b1"),
+        ("tcp://$MASTER_ADDR:45678", "tcp://nid001:45678"),
+        ("$UNDEFINED_NAME", "$UNDEFINED_NAME"),
+        ("${UNDEFINED_NAME}", "${UNDEFINED_NAME}"),
+        ("$RANKX", "$RANKX"),
+        ("${RANK:-7}", "${RANK:-7}"),
+        ("$(echo hi)", "$(echo hi)"),
+        ("$$RANK", "$3"),
+        ("cost: 5$", "cost: 5$"),
+        ("$XS_PROG", "$XS_PROG"),  # run.sh's own unexported variable stays as typed
+    ],
+)
+def test_dollar_names_expand_per_rank(tmp_path, arg, expanded):
+    proc = run([*ARGV_PRINTER, arg], base_env(tmp_path, **recorded_slurm_env()))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [expanded]
+
+
+def test_expansion_can_be_turned_off(tmp_path):
+    env = base_env(tmp_path, XSCALE_EXPAND_ARGS="0", **recorded_slurm_env())
+    proc = run([*ARGV_PRINTER, "$SLURM_PROCID"], env)
+    assert json.loads(proc.stdout) == ["$SLURM_PROCID"]
+
+
+def test_exec_keeps_the_pid(tmp_path):
+    proc = subprocess.Popen(
+        [str(RUN_SH), sys.executable, "-c", "import os; print(os.getpid())"],
+        env=base_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    out, _ = proc.communicate(timeout=30)
+    assert int(out) == proc.pid
+
+
+def test_no_command_is_an_error(tmp_path):
+    assert_user_error(run([], base_env(tmp_path)), "no command")
+
+
+def test_help_explains_every_exported_variable(tmp_path):
+    proc = run(["--help"], base_env(tmp_path))
+    assert proc.returncode == 0
+    for name in [*LAYOUT, "MASTER_ADDR", "MASTER_PORT", "XSCALE_CACHE_DIR", "OMP_NUM_THREADS",
+                 "XSCALE_GPU_BIND", "XSCALE_DEBUG", "XSCALE_VERBOSE", "XSCALE_EXPAND_ARGS",
+                 "WITH_CONDA", "TORCH_EXTENSIONS_DIR", "XSCALE_SITE"]:
+        assert name in proc.stdout, name
+
+
+def test_print_env_is_sorted_key_value(tmp_path):
+    proc = run(["--print-env"], base_env(tmp_path, **recorded_slurm_env()))
+    lines = proc.stdout.splitlines()
+    assert lines == sorted(lines)
+    assert all("=" in line for line in lines)
+    assert {"RANK", "MASTER_PORT", "XSCALE_CACHE_DIR"} <= set(env_lines(proc.stdout))
+
+
+def test_rank_zero_announces_itself_once(tmp_path):
+    rank0 = {**recorded_slurm_env(), "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_NODEID": "0"}
+    proc = run(["true"], base_env(tmp_path, **rank0))
+    assert proc.stderr.count("xscale: launcher=slurm") == 1
+    assert "world=4 nodes=2 master=nid001:" in proc.stderr
+    quiet = run(["true"], base_env(tmp_path, **recorded_slurm_env()))
+    assert quiet.stderr == ""
+    verbose = run(["true"], base_env(tmp_path, **recorded_slurm_env(), XSCALE_VERBOSE="1"))
+    assert "rank=3 local_rank=1 node=nid002" in verbose.stderr
+
+
+# --- caches ------------------------------------------------------------------------------------
+
+def test_cache_is_private_and_per_user_job_step_node(tmp_path):
+    env = print_env(base_env(tmp_path, **recorded_slurm_env()))
+    cache = Path(env["XSCALE_CACHE_DIR"])
+    user = pwd.getpwuid(os.getuid()).pw_name
+    assert cache == tmp_path / f"xscale-{user}-4.0-nid002"
+    assert cache.is_dir() and (cache.stat().st_mode & 0o777) == 0o700
+    assert env["TORCH_EXTENSIONS_DIR"].startswith(str(cache))
+    assert env["TRITON_CACHE_DIR"].startswith(str(cache))
+
+
+def test_concurrent_ranks_share_the_cache_without_waiting(tmp_path):
+    env = base_env(tmp_path, **recorded_slurm_env())
+    with ThreadPoolExecutor(8) as pool:
+        procs = list(pool.map(lambda _: run(["true"], env), range(8)))
+    assert [p.returncode for p in procs] == [0] * 8, [p.stderr for p in procs]
+
+
+def test_symlinked_cache_is_refused(tmp_path):
+    env = base_env(tmp_path, **recorded_slurm_env())
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / f"xscale-{env['USER']}-4.0-nid002").symlink_to(target)
+    assert_user_error(run(["true"], env), "symlink")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a directory of another user")
+def test_cache_of_another_user_is_refused(tmp_path):
+    env = base_env(tmp_path, **recorded_slurm_env())
+    planted = tmp_path / f"xscale-{env['USER']}-4.0-nid002"
+    planted.mkdir(mode=0o777)
+    os.chown(planted, 65534, 65534)  # nobody
+    assert_user_error(run(["true"], env), "another user")
+
+
+def test_unwritable_cache_root_is_an_error(tmp_path):
+    missing = tmp_path / "no" / "such" / "root"
+    assert_user_error(run(["true"], base_env(tmp_path, XSCALE_CACHE_ROOT=str(missing))), "cache")
+
+
+# --- threads, GPUs, debug, site ------------------------------------------------------------------
+
+def test_omp_threads_follow_the_affinity_mask(tmp_path):
+    env = base_env(tmp_path)
+    pinned = subprocess.run(
+        ["taskset", "-c", "0", str(RUN_SH), "--print-env"], env=env,
+        capture_output=True, text=True, timeout=30,
+    )
+    assert env_lines(pinned.stdout)["OMP_NUM_THREADS"] == "1"
+    assert print_env(env)["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize(
+    ("site", "given", "local_rank", "local_world", "expected"),
+    [
+        ("nvidia", {}, "1", "4", {"CUDA_VISIBLE_DEVICES": "1"}),
+        ("nvidia", {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "2", "4", {"CUDA_VISIBLE_DEVICES": "6"}),
+        # Two GPUs per rank: each rank gets its own pair.
+        ("lumi", {"ROCR_VISIBLE_DEVICES": "0,1,2,3"}, "1", "2",
+         {"ROCR_VISIBLE_DEVICES": "2,3", "HIP_VISIBLE_DEVICES": "0,1"}),
+        # Already one GPU per task (--gpus-per-task): left as the scheduler set it.
+        ("lumi", {"ROCR_VISIBLE_DEVICES": "5"}, "1", "2", {"ROCR_VISIBLE_DEVICES": "5"}),
+        ("aurora", {}, "3", "12", {"ZE_AFFINITY_MASK": "3"}),
+    ],
+)
+def test_gpu_bind_local(tmp_path, site, given, local_rank, local_world, expected):
+    torchrun = {"RANK": local_rank, "WORLD_SIZE": local_world, "LOCAL_RANK": local_rank,
+                "LOCAL_WORLD_SIZE": local_world, "MASTER_ADDR": "n1", "MASTER_PORT": "20000"}
+    env = print_env(base_env(tmp_path, XSCALE_SITE=site, XSCALE_GPU_BIND="local",
+                             **torchrun, **given))
+    for name, value in expected.items():
+        assert env.get(name, given.get(name)) == value, name
+
+
+def test_gpu_bind_none_leaves_visibility_alone(tmp_path):
+    slurm = recorded_slurm_env()
+    assert slurm["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    env = print_env(base_env(tmp_path, **slurm))
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_gpu_bind_bad_value(tmp_path):
+    assert_user_error(run(["true"], base_env(tmp_path, XSCALE_GPU_BIND="yes")), "XSCALE_GPU_BIND")
+
+
+def test_debug_sends_nccl_output_to_a_file_per_rank(tmp_path):
+    logs = tmp_path / "logs"
+    env = print_env(base_env(tmp_path, XSCALE_DEBUG="1", XSCALE_LOG_DIR=str(logs),
+                             **recorded_slurm_env()))
+    assert env["NCCL_DEBUG"] == "INFO"
+    assert env["NCCL_DEBUG_SUBSYS"] == "INIT,COLL"
+    assert env["NCCL_DEBUG_FILE"].startswith(f"{logs}/nccl-rank3.")
+    assert logs.is_dir()
+
+
+def test_unwritable_log_dir_is_an_error(tmp_path):
+    assert_user_error(
+        run(["true"], base_env(tmp_path, XSCALE_LOG_DIR="/proc/xscale-logs")), "XSCALE_LOG_DIR"
+    )
+
+
+def test_sites(tmp_path):
+    lumi = print_env(base_env(tmp_path, XSCALE_SITE="lumi", **recorded_slurm_env()))
+    assert lumi["NCCL_SOCKET_IFNAME"] == "hsn0,hsn1,hsn2,hsn3"
+    assert lumi["MIOPEN_USER_DB_PATH"].startswith(lumi["XSCALE_CACHE_DIR"])
+    assert lumi["MIOPEN_CUSTOM_CACHE_DIR"] == lumi["MIOPEN_USER_DB_PATH"]
+    assert "NCCL_NET_GDR_LEVEL" not in lumi
+    asked = print_env(base_env(tmp_path, XSCALE_SITE="lumi", XSCALE_NCCL_NET_GDR_LEVEL="PHB"))
+    assert asked["NCCL_NET_GDR_LEVEL"] == "PHB"
+    generic = print_env(base_env(tmp_path))
+    assert "NCCL_SOCKET_IFNAME" not in generic
+    detected = base_env(tmp_path, SLURM_CLUSTER_NAME="lumi")
+    del detected["XSCALE_SITE"]
+    assert print_env(detected)["XSCALE_SITE"] == "lumi"
+    assert_user_error(run(["true"], base_env(tmp_path, XSCALE_SITE="../etc")), "XSCALE_SITE")
+
+
+def test_with_conda_activates_the_image_python(tmp_path):
+    env_bin = tmp_path / "conda" / "bin"
+    env_bin.mkdir(parents=True)
+    fake_python = env_bin / "python"
+    fake_python.write_text("#!/bin/sh\necho conda-python \"$@\"\n")
+    fake_python.chmod(0o755)
+    activate = tmp_path / "activate"
+    activate.write_text(f'export PATH="{env_bin}:$PATH"\n')
+    env = base_env(tmp_path, WITH_CONDA=f"source {activate}")
+    proc = run(["python", "-u", "x.py"], env)
+    assert proc.stdout.strip() == "conda-python -u x.py"
+
+
+# --- run-profile.sh ------------------------------------------------------------------------------
+
+def profile_env(tmp_path: Path, rank: int, ranks: str, world: int = 16) -> dict[str, str]:
+    return base_env(
+        tmp_path, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+        PROFILE_RANKS=ranks, PROFILE_DIR=str(tmp_path / "prof"),
+        PROFILER="echo PROFILED rank={rank} dir={dir} --", MASTER_ADDR="n1", MASTER_PORT="20000",
+    )
+
+
+@pytest.mark.parametrize(
+    ("ranks", "profiled"),
+    [
+        ("14", {14}), ("0,8-15", {0, *range(8, 16)}), ("all", set(range(16))), ("last", {15}),
+        ("3-3", {3}), ("007", {7}),
+    ],
+)
+def test_profile_ranks_select(tmp_path, ranks, profiled):
+    chosen = set()
+    for rank in range(16):
+        proc = run(["echo", "ran"], profile_env(tmp_path, rank, ranks), RUN_PROFILE)
+        assert proc.returncode == 0, proc.stderr
+        if proc.stdout.startswith("PROFILED"):
+            assert proc.stdout.strip() == f"PROFILED rank={rank} dir={tmp_path / 'prof'} -- echo ran"
+            chosen.add(rank)
+        else:
+            assert proc.stdout.strip() == "ran"
+    assert chosen == profiled
+
+
+def test_profile_default_rank_is_zero(tmp_path):
+    env = profile_env(tmp_path, 0, "")
+    del env["PROFILE_RANKS"]
+    assert run(["echo"], env, RUN_PROFILE).stdout.startswith("PROFILED rank=0")
+
+
+@pytest.mark.parametrize("ranks", ["a-3", "5-2", "1,,2", ",1", "1,", "1-", "-1", "1 2", "last2"])
+def test_malformed_profile_ranks_stop_every_rank(tmp_path, ranks):
+    marker = tmp_path / "ran"
+    for rank in (0, 5):
+        proc = run(["touch", str(marker)], profile_env(tmp_path, rank, ranks), RUN_PROFILE)
+        assert_user_error(proc, "PROFILE_RANKS")
+    assert not marker.exists()
+
+
+def test_profile_rank_beyond_world_warns_on_rank_zero(tmp_path):
+    rank0 = run(["true"], profile_env(tmp_path, 0, "0,99", world=4), RUN_PROFILE)
+    assert rank0.returncode == 0
+    assert "warning" in rank0.stderr and "99" in rank0.stderr
+    rank1 = run(["true"], profile_env(tmp_path, 1, "0,99", world=4), RUN_PROFILE)
+    assert "warning" not in rank1.stderr
+
+
+def test_profile_exports_the_step_window(tmp_path):
+    env = print_env(profile_env(tmp_path, 14, "14"), RUN_PROFILE)
+    assert (env["PROFILE_STEP_START"], env["PROFILE_STEPS"]) == ("10", "32")
+    assert env["XSCALE_PROFILED"] == "1"
+    assert (tmp_path / "prof" / "rank14").is_dir()
+    other = print_env(profile_env(tmp_path, 1, "14"), RUN_PROFILE)
+    assert "XSCALE_PROFILED" not in other
