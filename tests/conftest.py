@@ -58,19 +58,21 @@ class Cluster:
             check=False,
         )
 
-    def sbatch(
+    def submit(
         self,
         script: str | Path,
         *args: str,
         sbatch_options: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         output: Path | None = None,
+        wait: bool = False,
         timeout: float = 600,
-    ) -> Job:
-        """Submit, wait for the job to end (sbatch --wait), and return its state and output."""
+    ) -> str:
+        """sbatch the script (optionally with --wait) and return its job id."""
         out_opts = ("-o", str(output)) if output else ()
+        wait_opts = ("--wait",) if wait else ()
         proc = subprocess.run(
-            ["sbatch", "--parsable", "--wait", *out_opts, *sbatch_options, str(script), *args],
+            ["sbatch", "--parsable", *wait_opts, *out_opts, *sbatch_options, str(script), *args],
             cwd=REPO,
             env=tool_env(env),
             capture_output=True,
@@ -81,7 +83,23 @@ class Cluster:
         match = re.match(r"(\d+)", proc.stdout)
         if not match:
             raise AssertionError(f"sbatch failed: {proc.stdout}{proc.stderr}")
-        job_id = match.group(1)
+        return match.group(1)
+
+    def sbatch(
+        self,
+        script: str | Path,
+        *args: str,
+        sbatch_options: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        output: Path | None = None,
+        timeout: float = 600,
+    ) -> Job:
+        """Submit, wait for the job to end (sbatch --wait), and return its state and output."""
+        job_id = self.submit(script, *args, sbatch_options=sbatch_options, env=env,
+                             output=output, wait=True, timeout=timeout)
+        return self.job(job_id, output)
+
+    def job(self, job_id: str, output: Path | None = None) -> Job:
         state, exit_code = self.job_state(job_id)
         text = output.read_text() if output and output.exists() else ""
         return Job(job_id, state, exit_code, text)
@@ -96,7 +114,7 @@ class Cluster:
         return (state.group(1) if state else "UNKNOWN", code.group(1) if code else "?")
 
     def wait_state(self, job_id: str, states: set[str], timeout: float) -> str:
-        """Poll until the job reaches one of `states` (bounded; polls real state, no fixed sleep)."""
+        """Poll (bounded) until the job reaches one of `states`: a real state, not a fixed sleep."""
         deadline = time.monotonic() + timeout
         state = "UNKNOWN"
         while time.monotonic() < deadline:
@@ -125,7 +143,8 @@ def cluster() -> Cluster:
         capture_output=True, text=True, timeout=180, check=False,
     )
     if up.returncode != 0:
-        _skip_or_fail(up.stderr.strip().splitlines()[-1] if up.stderr.strip() else "cluster-up failed")
+        last_line = up.stderr.strip().splitlines()[-1:] or ["cluster-up failed"]
+        _skip_or_fail(last_line[0])
     return Cluster()
 
 

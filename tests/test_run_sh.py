@@ -485,7 +485,8 @@ def test_profile_ranks_select(tmp_path, ranks, profiled):
         proc = run(["echo", "ran"], profile_env(tmp_path, rank, ranks), RUN_PROFILE)
         assert proc.returncode == 0, proc.stderr
         if proc.stdout.startswith("PROFILED"):
-            assert proc.stdout.strip() == f"PROFILED rank={rank} dir={tmp_path / 'prof'} -- echo ran"
+            expected = f"PROFILED rank={rank} dir={tmp_path / 'prof'} -- echo ran"
+            assert proc.stdout.strip() == expected
             chosen.add(rank)
         else:
             assert proc.stdout.strip() == "ran"

@@ -41,24 +41,35 @@ xs_default() {
 # ("A,B": the first of A, B that is set; "-": derived below). Slurm needs SLURM_STEP_ID because
 # a batch script's own shell also has SLURM_PROCID=0 and must not pass for rank 0 of a step.
 # ---------------------------------------------------------------------------------------------
-#  launcher detect                 rank                 local_rank                 world_size               local_world_size                         node_rank     nnodes
-XS_LAUNCHERS='
-torchrun  RANK,WORLD_SIZE          RANK                 LOCAL_RANK                 WORLD_SIZE               LOCAL_WORLD_SIZE                         GROUP_RANK    NNODES
-slurm     SLURM_PROCID,SLURM_STEP_ID SLURM_PROCID       SLURM_LOCALID              SLURM_NTASKS,SLURM_NPROCS -                                       SLURM_NODEID  SLURM_STEP_NUM_NODES,SLURM_NNODES
-pbs       PALS_RANKID              PALS_RANKID          PALS_LOCAL_RANKID          PMI_SIZE,PALS_SIZE       PALS_LOCAL_SIZE,PMI_LOCAL_SIZE           PALS_NODEID   -
-openmpi   OMPI_COMM_WORLD_RANK     OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_LOCAL_RANK OMPI_COMM_WORLD_SIZE     OMPI_COMM_WORLD_LOCAL_SIZE               -             -
-pmi       PMI_RANK                 PMI_RANK             MPI_LOCALRANKID,PMI_LOCAL_RANK PMI_SIZE         MPI_LOCALNRANKS,PMI_LOCAL_SIZE           -             -
-'
+#  launcher  detect                      rank                  local_rank                      world_size                  local_world_size                 node_rank     nnodes
+XS_LAUNCHERS=(
+  "torchrun  RANK,WORLD_SIZE             RANK                  LOCAL_RANK                      WORLD_SIZE                  LOCAL_WORLD_SIZE                 GROUP_RANK    NNODES"
+  "slurm     SLURM_PROCID,SLURM_STEP_ID  SLURM_PROCID          SLURM_LOCALID                   SLURM_NTASKS,SLURM_NPROCS   -                                SLURM_NODEID  SLURM_STEP_NUM_NODES,SLURM_NNODES"
+  "pbs       PALS_RANKID                 PALS_RANKID           PALS_LOCAL_RANKID               PMI_SIZE                    PALS_LOCAL_SIZE,PMI_LOCAL_SIZE   PALS_NODEID   -"
+  "openmpi   OMPI_COMM_WORLD_RANK        OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_LOCAL_RANK      OMPI_COMM_WORLD_SIZE        OMPI_COMM_WORLD_LOCAL_SIZE       -             -"
+  "pmi       PMI_RANK                    PMI_RANK              MPI_LOCALRANKID,PMI_LOCAL_RANK  PMI_SIZE                    MPI_LOCALNRANKS,PMI_LOCAL_SIZE   -             -"
+)
+
+# xs_split_commas STRING: XS_ITEMS=the comma-separated fields of STRING. Parameter expansion
+# only: a here-string costs a temporary file or pipe per call, which adds up on every rank.
+xs_split_commas() {
+  local rest=$1
+  XS_ITEMS=()
+  while [[ $rest == *,* ]]; do
+    XS_ITEMS+=("${rest%%,*}")
+    rest=${rest#*,}
+  done
+  XS_ITEMS+=("$rest")
+}
 
 # xs_first_set OUT "A,B,...": OUT=value of the first of the listed variables that is set (and
 # XS_SOURCE_VAR=its name, for error messages). Returns 1 when none is, or the list is "-".
 xs_first_set() {
   local name
-  local -a names
   printf -v "$1" '%s' ""
   [[ $2 == - ]] && return 1
-  IFS=, read -r -a names <<<"$2"
-  for name in "${names[@]}"; do
+  xs_split_commas "$2"
+  for name in "${XS_ITEMS[@]}"; do
     if [[ -n ${!name:-} ]]; then
       printf -v "$1" '%s' "${!name}"
       XS_SOURCE_VAR=$name
@@ -71,9 +82,8 @@ xs_first_set() {
 # True when every variable in the comma-separated list is set and non-empty.
 xs_all_set() {
   local name
-  local -a names
-  IFS=, read -r -a names <<<"$1"
-  for name in "${names[@]}"; do
+  xs_split_commas "$1"
+  for name in "${XS_ITEMS[@]}"; do
     [[ -n ${!name:-} ]] || return 1
   done
 }
@@ -81,13 +91,15 @@ xs_all_set() {
 # Fill XS_RANK ... XS_NNODES from the first launcher row that applies ("" where the row has no
 # variable; xs_derive_layout completes those).
 xs_detect_launcher() {
-  local name detect rank local_rank world local_world node nnodes
+  local row name detect rank local_rank world local_world node nnodes
   XS_RANK=0 XS_LOCAL_RANK=0 XS_WORLD_SIZE=1 XS_LOCAL_WORLD_SIZE=1 XS_NODE_RANK=0 XS_NNODES=1
   XS_LAUNCHER=none
-  while read -r name detect rank local_rank world local_world node nnodes; do
-    if [[ -z $name ]] || ! xs_all_set "$detect"; then
-      continue
-    fi
+  for row in "${XS_LAUNCHERS[@]}"; do
+    # Our own table: split on blanks, no glob characters in it.
+    # shellcheck disable=SC2086
+    set -- $row
+    name=$1 detect=$2 rank=$3 local_rank=$4 world=$5 local_world=$6 node=$7 nnodes=$8
+    xs_all_set "$detect" || continue
     XS_LAUNCHER=$name
     xs_read_number XS_RANK "$rank"
     xs_read_number XS_LOCAL_RANK "$local_rank"
@@ -96,7 +108,7 @@ xs_detect_launcher() {
     xs_read_number XS_NODE_RANK "$node"
     xs_read_number XS_NNODES "$nnodes"
     return 0
-  done <<<"$XS_LAUNCHERS"
+  done
 }
 
 # xs_read_number OUT VARLIST: OUT=the value, checked to be a whole number, or "" if none is set.
@@ -115,9 +127,8 @@ xs_read_number() {
 # nodes, 4 on the third. Return the count for node index $2.
 xs_tasks_on_node() {
   local node=$2 group count repeat
-  local -a groups
-  IFS=, read -r -a groups <<<"$3"
-  for group in "${groups[@]}"; do
+  xs_split_commas "$3"
+  for group in "${XS_ITEMS[@]}"; do
     if [[ $group =~ ^([0-9]+)\(x([0-9]+)\)$ ]]; then
       count=${BASH_REMATCH[1]} repeat=${BASH_REMATCH[2]}
     elif [[ $group =~ ^[0-9]+$ ]]; then
@@ -231,7 +242,7 @@ xs_detect_site() {
     XS_SITE=$XSCALE_SITE
   elif [[ ${SLURM_CLUSTER_NAME:-} == lumi || ( -d /opt/cray && -e /dev/kfd ) ]]; then
     XS_SITE=lumi
-  elif [[ -n ${PALS_RANKID:-} || -d /opt/aurora ]]; then
+  elif [[ -n ${PALS_APID:-}${PALS_RANKID:-} ]]; then
     XS_SITE=aurora
   elif [[ -e /dev/nvidiactl ]]; then
     XS_SITE=nvidia
@@ -263,7 +274,9 @@ xs_setup_cache() {
   xs_default XSCALE_CACHE_DIR "$root/xscale-$user-$job.$step-$node"
   local dir=$XSCALE_CACHE_DIR
   if [[ ! -e $dir && ! -L $dir ]]; then
-    mkdir -m 0700 -- "$dir" 2>/dev/null || [[ -e $dir ]] \
+    # One mkdir for the directory and the subdirectories the site profiles point at (MIOpen's
+    # database directory must exist); a rank racing us to it only makes the first one fail.
+    mkdir -m 0700 -- "$dir" "$dir/miopen" 2>/dev/null || [[ -e $dir ]] \
       || xs_die "cannot create cache directory '$dir' (is ${dir%/*} writable?)"
   fi
   [[ ! -L $dir ]] || xs_die "cache directory '$dir' is a symlink; refusing to use it"
@@ -281,13 +294,15 @@ xs_setup_cache() {
 # Count the CPUs in this process's affinity mask (what --cpu-bind gave the rank): one OpenMP
 # thread per CPU we may run on, instead of one per CPU of the node fighting over a few.
 xs_affinity_cpus() {
-  local key list item cpus=0
-  local -a items
-  while read -r key list; do
-    [[ $key == Cpus_allowed_list: ]] && break
-  done </proc/self/status
-  IFS=, read -r -a items <<<"$list"
-  for item in "${items[@]}"; do
+  local line list="" item cpus=0
+  local -a status
+  # mapfile reads the file in blocks; `while read` would read it one byte per system call.
+  mapfile -t status </proc/self/status
+  for line in "${status[@]}"; do
+    [[ $line == Cpus_allowed_list:* ]] && list=${line#*:} && break
+  done
+  xs_split_commas "${list//[[:space:]]/}"
+  for item in "${XS_ITEMS[@]}"; do
     if [[ $item =~ ^([0-9]+)-([0-9]+)$ ]]; then
       cpus=$((cpus + BASH_REMATCH[2] - BASH_REMATCH[1] + 1))
     elif [[ $item =~ ^[0-9]+$ ]]; then
@@ -332,7 +347,8 @@ xs_bind_gpu_var() {
   local -a devices=() mine=()
   XS_GPUS_NARROWED=0
   if [[ -n ${!name:-} ]]; then
-    IFS=, read -r -a devices <<<"${!name}"
+    xs_split_commas "${!name}"
+    devices=("${XS_ITEMS[@]}")
   else
     for ((i = 0; i < XS_LOCAL_WORLD_SIZE; i++)); do devices+=("$i"); done
   fi
@@ -349,10 +365,10 @@ xs_bind_gpu_var() {
 # HIP numbers devices after ROCR's filter, so the rank's devices are HIP's 0..k-1.
 xs_relative_hip_devices() {
   [[ -v HIP_VISIBLE_DEVICES ]] && return 0
-  local -a devices ids=()
+  local -a ids=()
   local i
-  IFS=, read -r -a devices <<<"$ROCR_VISIBLE_DEVICES"
-  for ((i = 0; i < ${#devices[@]}; i++)); do ids+=("$i"); done
+  xs_split_commas "$ROCR_VISIBLE_DEVICES"
+  for ((i = 0; i < ${#XS_ITEMS[@]}; i++)); do ids+=("$i"); done
   local IFS=,
   xs_default HIP_VISIBLE_DEVICES "${ids[*]}"
 }
@@ -390,10 +406,12 @@ xs_announce() {
       "$XS_SITE" "$XS_WORLD_SIZE" "$XS_NNODES" "$MASTER_ADDR" "$MASTER_PORT" >&2
   fi
   if [[ ${XSCALE_VERBOSE:-0} == 1 ]]; then
-    local key cpus=""
-    while read -r key cpus; do [[ $key == Cpus_allowed_list: ]] && break; done </proc/self/status
+    local line cpus=""
+    local -a status
+    mapfile -t status </proc/self/status
+    for line in "${status[@]}"; do [[ $line == Cpus_allowed_list:* ]] && cpus=${line#*:}; done
     printf 'xscale: rank=%s local_rank=%s node=%s cpus=%s gpus=%s\n' "$XS_RANK" "$XS_LOCAL_RANK" \
-      "${SLURMD_NODENAME:-$HOSTNAME}" "$cpus" \
+      "${SLURMD_NODENAME:-$HOSTNAME}" "${cpus//[[:space:]]/}" \
       "${ROCR_VISIBLE_DEVICES:-${CUDA_VISIBLE_DEVICES:-${ZE_AFFINITY_MASK:-all}}}" >&2
   fi
 }
@@ -501,7 +519,6 @@ xs_print_env() {
 # anything runs; a rank beyond the world is only worth a warning (from rank 0, once).
 xs_select_profile_rank() {
   local spec=${PROFILE_RANKS:-0} item lo hi beyond=""
-  local -a items
   XS_PROFILE_THIS_RANK=0
   case $spec in
     all) XS_PROFILE_THIS_RANK=1; return 0 ;;
@@ -509,8 +526,8 @@ xs_select_profile_rank() {
   esac
   [[ $spec =~ ^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$ ]] \
     || xs_die "PROFILE_RANKS='$spec' is malformed (expected e.g. 0, 14, 0,8-15, all, last)"
-  IFS=, read -r -a items <<<"$spec"
-  for item in "${items[@]}"; do
+  xs_split_commas "$spec"
+  for item in "${XS_ITEMS[@]}"; do
     lo=$((10#${item%-*})) hi=$((10#${item#*-}))
     ((lo <= hi)) || xs_die "PROFILE_RANKS='$spec': range $item runs backwards"
     ((XS_RANK >= lo && XS_RANK <= hi)) && XS_PROFILE_THIS_RANK=1
