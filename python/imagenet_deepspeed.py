@@ -1,0 +1,188 @@
+"""ImageNet-style classification with DeepSpeed (seed 000's cv_example_ds.py, DeepSpeedExamples'
+training/imagenet), sharing imagenet.py's data, models and command line.
+
+    srun ... singularity exec $SIF /runscripts/run.sh python -u python/imagenet_deepspeed.py \\
+        --deepspeed --deepspeed_config python/configs/ds_fp16_z1.json -a resnet50 \\
+        --batch-size $((8*512)) --workers 7 --epochs 2 DIR
+
+DeepSpeed joins the process group that xscale opened from run.sh's RANK/WORLD_SIZE/LOCAL_RANK/
+MASTER_* (without them it would look for mpi4py). Precision, ZeRO stage and optimizer come from
+the JSON config; --batch-size (per node, divided among its ranks) and --lr override it. On a CPU
+(DS_ACCELERATOR=cpu) use python/configs/ds_cpu_z1.json: fp32, ZeRO-1, torch's Adam. DataLoader
+workers are per rank here (-j 7: the 7 cores of a GCD's CCD).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from xscale import cli, data, ds, metrics, profiling, shutdown, signals, summary, vision
+from xscale.dist import DistContext, init_distributed
+from xscale.progress import TrainLog
+from xscale.throughput import Throughput
+
+TRAINER = "imagenet_deepspeed"
+PROG = "imagenet_deepspeed.py"
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Train a torchvision classifier on an ImageFolder with DeepSpeed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    vision.add_arguments(parser, workers_per="rank")
+    parser.set_defaults(batch_size=None)
+    parser.add_argument("--lr", "--learning-rate", type=float, default=None, dest="lr",
+                        help="override the config's optimizer learning rate")
+    parser.add_argument("--channels-last", action="store_true", help="NHWC memory format")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="accepted for DeepSpeed's launchers; DeepSpeed is always used")
+    parser.add_argument("--deepspeed_config", "--deepspeed-config", type=Path, default=None,
+                        help="DeepSpeed JSON (default: configs/ds_fp16_z1.json on GPUs, "
+                             "configs/ds_cpu_z1.json on CPUs)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="accepted for DeepSpeed's launcher; LOCAL_RANK from the "
+                             "environment wins")
+    args = parser.parse_args(argv)
+    vision.check_arguments(parser, args)
+    return args
+
+
+def evaluate(engine: torch.nn.Module, val_set: torch.utils.data.Dataset, ctx: DistContext,
+             batch_size: int, dtype: torch.dtype) -> dict[str, float]:
+    """Top-1 accuracy and loss over every rank's shard (images in the engine's precision)."""
+    loader = data.make_loader(val_set, data.ShardSampler(val_set, ctx.world_size, ctx.rank),
+                              batch_size=batch_size, workers=0, device=ctx.device)
+    batches = ((images.to(dtype), labels) for images, labels in loader)
+    return metrics.evaluate_classifier(engine, batches, ctx.device)
+
+
+def train(args: argparse.Namespace, ctx: DistContext, config: dict, started: float) -> int:
+    import deepspeed  # slow to import; after the cheap checks
+
+    root = vision.resolve_data(args, ctx)
+    train_set, val_set, classes = vision.datasets_for(root, args.image_size)
+    per_rank = (None if args.batch_size is None
+                else vision.per_rank(args.batch_size, ctx.local_world_size, "--batch-size"))
+    config = ds.set_learning_rate(ds.batch_sizes(config, ctx.world_size, per_rank), args.lr)
+    batch_size = config["train_micro_batch_size_per_gpu"]
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = vision.build_model(args.arch, classes, args.channels_last)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    dtype = next(engine.module.parameters()).dtype  # fp16/bf16 configs cast the weights
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+
+    torch.manual_seed(args.seed + ctx.rank)  # each rank its own augmentation stream
+    start_step = 0
+    position = ds.load(engine, args.output_dir, ctx.rank) \
+        if args.output_dir and args.resume else None
+    if position is not None:
+        start_step = position[0]
+
+    sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
+    loader = data.make_loader(train_set, sampler, batch_size=batch_size, workers=args.workers,
+                              device=ctx.device, drop_last=True)
+    per_epoch = data.steps_per_epoch(sampler, batch_size)
+    end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
+    tb_dir = args.logging_dir or (args.output_dir / "tb" if args.output_dir else None)
+    log = TrainLog(is_main=ctx.is_main, start_step=start_step, total_steps=end_step,
+                   log_every=args.print_freq, tensorboard_dir=tb_dir, desc=TRAINER)
+    log.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes); "
+                f"{ctx.world_size} ranks, {ctx.device.type}, {ctx.backend}; ZeRO stage "
+                f"{engine.zero_optimization_stage()}, {dtype}; {batch_size} images per rank, "
+                f"{config['train_batch_size']} per step")
+    if position is not None:
+        log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
+
+    window = profiling.window_from_env(ctx.rank, ctx.device)
+    meter = Throughput(ctx.device, warmup_steps=min(5, max(1, (end_step or 10) // 10)))
+    step, epoch, stopped = start_step, start_step // per_epoch, False
+    last_saved = start_step if position is not None else None
+    engine.train()
+    meter.start()
+    for step_index, epoch, (images, labels) in data.train_batches(
+            loader, sampler, start_step=start_step, epochs=args.epochs, max_steps=args.max_steps):
+        window.step(step_index)
+        images = images.to(ctx.device, dtype=dtype, non_blocking=True,
+                           memory_format=memory_format)
+        labels = labels.to(ctx.device, non_blocking=True)
+        loss = F.cross_entropy(engine(images).float(), labels)
+        engine.backward(loss)
+        engine.step()
+        step = step_index + 1
+        meter.step(len(labels))
+        log.step(step, loss, len(labels))
+        if args.output_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
+            ds.save(engine, args.output_dir, step, epoch, args.keep_checkpoints)
+            last_saved = step
+        if signals.should_stop():
+            stopped = True
+            break
+    meter.stop()
+    window.close()
+    log.close()
+
+    if args.output_dir and last_saved != step:
+        ds.save(engine, args.output_dir, step, epoch, args.keep_checkpoints)
+    if stopped and ctx.is_main:
+        saved = args.output_dir / ds.tag(step) if args.output_dir else None
+        print(signals.stop_message(PROG, step, saved), flush=True)
+    results = {}
+    if not stopped and val_set is not None:
+        results = evaluate(engine, val_set, ctx, batch_size, dtype)
+    rates = meter.reduced()
+
+    summary.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=summary.node_name(),
+                        steps=step, param_digest=summary.param_digest(engine))
+    if ctx.is_main:
+        summary.emit(
+            trainer=TRAINER, world_size=ctx.world_size, nodes=ctx.nnodes, steps=step,
+            start_step=start_step, epoch=epoch, samples_per_s=rates["samples_per_s"],
+            samples_per_s_per_rank=rates["samples_per_s_per_rank"],
+            loss_first=log.loss_first, loss_last=log.loss_last,
+            seconds=time.perf_counter() - started, train_seconds=meter.local().seconds,
+            arch=args.arch, image_size=args.image_size, zero_stage=engine.zero_optimization_stage(),
+            dtype=str(dtype).removeprefix("torch."), batch_size=batch_size,
+            global_batch_size=config["train_batch_size"], device=ctx.device.type,
+            backend=ctx.backend, stopped_early=stopped,
+            signal=signals.signal_name(signals.received()),
+            accuracy=results.get("accuracy"), val_loss=results.get("loss"),
+            val_samples=results.get("samples"),
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    if args.deepspeed_config is None:
+        args.deepspeed_config = CONFIGS / ("ds_fp16_z1.json" if torch.cuda.is_available()
+                                           else "ds_cpu_z1.json")
+    config = ds.load_config(args.deepspeed_config)
+    vision.check_data(args)  # before joining the group: a bad path trains nothing
+    if args.local_rank is not None and not os.environ.get("LOCAL_RANK"):
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
+    signals.install()
+    ctx = init_distributed(backend=args.dist_backend, init_method=args.dist_url,
+                           rank=args.rank, world_size=args.world_size, gpu=args.gpu)
+    # DeepSpeed reads the torch names itself; a single process or a --dist-url launch has none.
+    for name, value in (("RANK", ctx.rank), ("WORLD_SIZE", ctx.world_size),
+                        ("LOCAL_RANK", ctx.local_rank), ("LOCAL_WORLD_SIZE", ctx.local_world_size)):
+        os.environ.setdefault(name, str(value))
+    if not ctx.is_main:  # one copy of DeepSpeed's INFO lines, not one per rank
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if args.output_dir and ctx.is_main:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    return train(args, ctx, config, started)
+
+
+if __name__ == "__main__":
+    shutdown.exit_cleanly(cli.run(main, prog=PROG))

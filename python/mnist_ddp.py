@@ -1,0 +1,286 @@
+"""MNIST with DistributedDataParallel: the LUMI container smoke test (seed 003's mnist_DDP.py).
+
+Runs unchanged from one CPU process to many GPU nodes: start it through runscripts/run.sh (or
+torchrun), which exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+
+    srun ... singularity exec $SIF /runscripts/run.sh python -u python/mnist_ddp.py \\
+        --data /scratch/$PROJECT/mnist --gpu --modelpath model
+
+The IDX files are read from --data (DIR itself or torchvision's DIR/MNIST/raw/, plain or .gz);
+nothing is downloaded: every rank fetching MNIST at once gets the server to throttle them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+from xscale import checkpoint, cli, data, metrics, profiling, shutdown, signals, summary
+from xscale.cli import UserError
+from xscale.dist import DistContext, init_distributed
+from xscale.progress import TrainLog
+from xscale.throughput import Throughput
+
+TRAINER = "mnist_ddp"
+PROG = "mnist_ddp.py"
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, as torchvision's examples use
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Train a small CNN on MNIST with DDP (xscale's smoke test).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True,
+                        help="directory with the MNIST IDX files (or DIR/MNIST/raw/ in it)")
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop after this many optimizer steps in total (counting steps "
+                             "done before a resume)")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per rank per step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="DataLoader workers per rank (MNIST is in memory: 0 is fine)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="checkpoints (ckpt-STEP.pt) go here; a run resumes from the newest")
+    parser.add_argument("--no-resume", dest="resume", action="store_false",
+                        help="start from scratch even if --output-dir has checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="also save every N steps (0: only at the end and on a stop signal)")
+    parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
+                        help="keep the newest K checkpoints")
+    parser.add_argument("--log-every", type=int, default=10, metavar="N",
+                        help="reduce and log the loss every N steps")
+    parser.add_argument("--logging-dir", type=Path, default=None,
+                        help="TensorBoard directory (default: OUTPUT_DIR/tb; none without either)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="require a GPU (as seed 003's mnist_DDP.py); GPUs are used anyway "
+                             "when torch sees them")
+    parser.add_argument("--modelpath", type=Path, default=None,
+                        help="save the trained weights as MODELPATH/model_{gpu,cpu}.dat, as "
+                             "seed 003's mnist_DDP.py does")
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "epochs", "workers", "keep_checkpoints", "log_every"):
+        if getattr(args, name) < (0 if name == "workers" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.max_steps is not None and args.max_steps < 1:
+        parser.error("--max-steps must be positive")
+    return args
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+def find_idx_dir(root: Path) -> Path:
+    """The directory holding the IDX files: DIR itself, or torchvision's DIR/MNIST/raw."""
+    if not root.is_dir():
+        raise UserError(f"--data '{root}': no such directory")
+    for candidate in (root, root / "MNIST" / "raw", root / "raw"):
+        if all(_idx_file(candidate, name) for pair in IDX_FILES.values() for name in pair):
+            return candidate
+    wanted = ", ".join(name for pair in IDX_FILES.values() for name in pair)
+    raise UserError(f"--data '{root}': no MNIST IDX files there or in {root}/MNIST/raw "
+                    f"(need {wanted}, plain or .gz)")
+
+
+def _idx_file(folder: Path, name: str) -> Path | None:
+    for path in (folder / name, folder / f"{name}.gz"):
+        if path.is_file():
+            return path
+    return None
+
+
+def read_idx(path: Path) -> np.ndarray:
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    if len(raw) < 4:
+        raise UserError(f"{path}: not an IDX file (too short)")
+    zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
+    if zero != 0 or dtype_code != 0x08:
+        raise UserError(f"{path}: not an unsigned-byte IDX file")
+    shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+    body = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(shape)):
+        raise UserError(f"{path}: {body.size} bytes of data for shape {shape}")
+    return body.reshape(shape)
+
+
+class MnistTensors(Dataset):
+    """Images (uint8, 1x28x28) and labels, all in memory: 47 MB for the real training set."""
+
+    def __init__(self, folder: Path, split: str) -> None:
+        image_name, label_name = IDX_FILES[split]
+        images = read_idx(_idx_file(folder, image_name))  # type: ignore[arg-type]
+        labels = read_idx(_idx_file(folder, label_name))  # type: ignore[arg-type]
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise UserError(f"{folder}: {split} images {images.shape} and labels "
+                            f"{labels.shape} do not match")
+        self.images = torch.from_numpy(images.copy()).unsqueeze(1)
+        self.labels = torch.from_numpy(labels.astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index], self.labels[index]
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    """Two conv layers and two linear ones; takes raw uint8 images and normalises them itself,
+    so training, evaluation and a saved model agree on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, kernel_size=5)
+        self.conv2 = nn.Conv2d(16, 32, kernel_size=5)
+        self.fc1 = nn.Linear(32 * 4 * 4, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = (images.float() / 255.0 - MEAN) / STD
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+# ---- training -------------------------------------------------------------------------------
+
+
+def save_model(model: nn.Module, modelpath: Path, device: torch.device) -> Path:
+    """Seed 003's output: the state_dict as MODELPATH/model_gpu.dat (or model_cpu.dat)."""
+    path = modelpath / f"model_{'gpu' if device.type == 'cuda' else 'cpu'}.dat"
+    checkpoint.atomic_save(summary.unwrap(model).state_dict(), path)
+    return path
+
+
+def train(args: argparse.Namespace, ctx: DistContext, folder: Path, started: float) -> int:
+    torch.manual_seed(args.seed)  # identical initial weights everywhere (DDP broadcasts anyway)
+    train_set, test_set = MnistTensors(folder, "train"), MnistTensors(folder, "test")
+    model = Net().to(ctx.device)
+    if ctx.distributed:
+        model = DistributedDataParallel(
+            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    torch.manual_seed(args.seed + ctx.rank)  # each rank its own stream from here on
+    start_step = 0
+    state = checkpoint.load_latest(args.output_dir) if args.output_dir and args.resume else None
+    if state is not None:  # weights, optimizer, and each rank's stream where it left off
+        start_step, _ = checkpoint.restore_training_state(state, model, optimizer, rank=ctx.rank)
+    resumed, state = state is not None, None
+
+    sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
+    loader = data.make_loader(train_set, sampler, batch_size=args.batch_size,
+                              workers=args.workers, device=ctx.device, drop_last=True)
+    per_epoch = data.steps_per_epoch(sampler, args.batch_size)
+    end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
+    tb_dir = args.logging_dir or (args.output_dir / "tb" if args.output_dir else None)
+    log = TrainLog(is_main=ctx.is_main, start_step=start_step, total_steps=end_step,
+                   log_every=args.log_every, tensorboard_dir=tb_dir, desc=TRAINER)
+    if start_step:
+        log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
+    log.message(f"{PROG}: {ctx.world_size} ranks on {ctx.nnodes} nodes, {ctx.device.type}, "
+                f"{ctx.backend}; {args.batch_size} images per rank, "
+                f"{args.batch_size * ctx.world_size} per step; {per_epoch} steps per epoch")
+
+    window = profiling.window_from_env(ctx.rank, ctx.device)
+    meter = Throughput(ctx.device, warmup_steps=1)
+    step, epoch, stopped = start_step, start_step // per_epoch, False
+    last_saved = start_step if resumed else None
+    model.train()
+    meter.start()
+    for step_index, epoch, (images, labels) in data.train_batches(
+            loader, sampler, start_step=start_step, epochs=args.epochs, max_steps=args.max_steps):
+        window.step(step_index)
+        images = images.to(ctx.device, non_blocking=True)
+        labels = labels.to(ctx.device, non_blocking=True)
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step = step_index + 1
+        meter.step(len(labels))
+        log.step(step, loss, len(labels))
+        if args.output_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
+            save(args, ctx, model, optimizer, step, epoch)
+            last_saved = step
+        if signals.should_stop():
+            stopped = True
+            break
+    meter.stop()
+    window.close()
+    log.close()
+
+    if args.output_dir and last_saved != step:
+        save(args, ctx, model, optimizer, step, epoch)
+    if stopped and ctx.is_main:
+        saved = checkpoint.checkpoint_path(args.output_dir, step) if args.output_dir else None
+        print(signals.stop_message(PROG, step, saved), flush=True)
+
+    results: dict[str, float] = {}
+    if not stopped:  # after a stop signal the time left is for the checkpoint only
+        test_loader = data.make_loader(test_set, data.ShardSampler(test_set, ctx.world_size,
+                                                                   ctx.rank),
+                                       batch_size=256, workers=0, device=ctx.device)
+        evaluation = metrics.evaluate_classifier(model, test_loader, ctx.device)
+        results = {"accuracy": evaluation["accuracy"], "test_loss": evaluation["loss"],
+                   "test_samples": evaluation["samples"]}
+        if ctx.is_main and args.modelpath:
+            print(f"{PROG}: model saved as {save_model(model, args.modelpath, ctx.device)}",
+                  flush=True)
+    rates = meter.reduced()
+
+    summary.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=summary.node_name(),
+                        steps=step, param_digest=summary.param_digest(model))
+    if ctx.is_main:
+        summary.emit(
+            trainer=TRAINER, world_size=ctx.world_size, nodes=ctx.nnodes, steps=step,
+            start_step=start_step, epoch=epoch, samples_per_s=rates["samples_per_s"],
+            samples_per_s_per_rank=rates["samples_per_s_per_rank"],
+            loss_first=log.loss_first, loss_last=log.loss_last,
+            seconds=time.perf_counter() - started, train_seconds=meter.local().seconds,
+            batch_size=args.batch_size, global_batch_size=args.batch_size * ctx.world_size,
+            device=ctx.device.type, backend=ctx.backend, stopped_early=stopped,
+            signal=signals.signal_name(signals.received()), **results,
+        )
+    return 0
+
+
+def save(args: argparse.Namespace, ctx: DistContext, model: nn.Module,
+         optimizer: torch.optim.Optimizer, step: int, epoch: int) -> Path:
+    state = checkpoint.training_state(model, optimizer, step, epoch)  # every rank: a gather
+    path = checkpoint.checkpoint_path(args.output_dir, step)
+    if ctx.is_main:
+        checkpoint.save(args.output_dir, step, state, keep=args.keep_checkpoints)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    folder = find_idx_dir(args.data)  # before joining the group: a bad path trains nothing
+    signals.install()
+    ctx = init_distributed(require_gpu=args.gpu)
+    if args.output_dir and ctx.is_main:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    return train(args, ctx, folder, started)
+
+
+if __name__ == "__main__":
+    shutdown.exit_cleanly(cli.run(main, prog=PROG))

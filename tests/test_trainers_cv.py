@@ -1,0 +1,348 @@
+"""mnist_ddp.py, imagenet.py, imagenet_deepspeed.py: command lines, user errors, resume and
+stop locally, and 4 ranks over the two virtual nodes through srun, the shim and run.sh."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fixtures.imagefolder import write_imagefolder, write_tar
+from tests.fixtures.mnist_idx import write_mnist
+from tests.helpers import rank_records, summary
+
+REPO = Path(__file__).resolve().parent.parent
+MNIST = "python/mnist_ddp.py"
+IMAGENET = "python/imagenet.py"
+DEEPSPEED = "python/imagenet_deepspeed.py"
+IMAGE = "xscale-test.sif"  # ignored by the shim: the host root plays the image
+CPU_CONFIG = "python/configs/ds_cpu_z1.json"
+# DeepSpeed JIT-builds an op on first use: keep it between runs, as CI keeps build/.
+EXTENSIONS = REPO / "build" / "torch-extensions"
+# Tiny but learnable: the loss falls clearly within these steps on 4 ranks.
+MNIST_TINY = ["--batch-size", "32", "--lr", "0.002", "--epochs", "1000", "--log-every", "4"]
+VISION_TINY = ["-a", "resnet18", "--image-size", "32", "-b", "32", "-j", "0", "--lr", "0.01",
+               "--epochs", "1000", "-p", "4"]
+DS_TINY = ["--deepspeed", "--deepspeed_config", CPU_CONFIG, "-a", "resnet18", "--image-size",
+           "32", "-b", "32", "-j", "0", "--epochs", "1000", "-p", "4"]
+DS_ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)}
+
+
+@pytest.fixture(scope="module")
+def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_mnist(tmp_path_factory.mktemp("mnist"), train=2048, test=512)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(an ImageFolder named like the seed's data-resnet-small, a tarball of it)."""
+    root = tmp_path_factory.mktemp("imagenet")
+    folder = write_imagefolder(root / "data-resnet-small")
+    return folder, write_tar(folder, root / "data-resnet-small.tar")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """No launcher variables (each test says what it wants), one thread per process."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "NNODES",
+            "MASTER_ADDR", "MASTER_PORT", "XSCALE_PROFILED", "XSCALE_TORCH_PROFILER")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", XSCALE_TIMEOUT_S="120", **extra)
+    return env
+
+
+def run_one(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_ranks(world: int, *args: str, extra: dict[str, str] | None = None) -> list:
+    """`world` ranks on this machine with torchrun's variables set by hand."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = clean_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                        LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", NNODES="1",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(extra or {}))
+        procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list, timeout: float = 300) -> tuple[list[int], str, str]:
+    outs, errs, codes = [], [], []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        codes.append(proc.returncode)
+        outs.append(out)
+        errs.append(err)
+    return codes, "".join(outs), "".join(errs)
+
+
+def run_ranks(world: int, *args: str, extra: dict[str, str] | None = None):
+    return finish(start_ranks(world, *args, extra=extra))
+
+
+def digests(output: str) -> set[str]:
+    return {record["param_digest"] for record in rank_records(output)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Command lines
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trainer, options", [
+    (MNIST, ["--data", "--max-steps", "--epochs", "--batch-size", "--lr", "--output-dir",
+             "--no-resume", "--checkpoint-every", "--gpu", "--modelpath", "--logging-dir"]),
+    (IMAGENET, ["--arch", "--batch-size", "--workers", "--gpu", "--world-size", "--rank",
+                "--dist-url", "--dist-backend", "--epochs", "--lr", "--amp", "--channels-last",
+                "--max-steps", "--output-dir", "--image-size", "--stage-tar"]),
+    (DEEPSPEED, ["--deepspeed", "--deepspeed_config", "--local_rank", "--arch", "--batch-size",
+                 "--max-steps", "--output-dir", "--image-size", "--stage-tar"]),
+])
+def test_help_lists_the_seed_options(trainer, options):
+    proc = run_one(trainer, "--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: ")
+    for option in options:
+        assert option in proc.stdout, option
+
+
+# ---------------------------------------------------------------------------------------------
+# Mistakes a user can make: one line, status 2, nothing trained
+# ---------------------------------------------------------------------------------------------
+
+
+def user_error_cases(mnist: Path, folder: Path, tmp: Path) -> list[tuple[list[str], dict, str]]:
+    empty = tmp / "empty"
+    empty.mkdir(exist_ok=True)
+    bad_json = tmp / "bad.json"
+    bad_json.write_text("{ not json")
+    out = ["--output-dir", str(tmp / "out")]
+    return [
+        ([MNIST, "--data", str(tmp / "nowhere"), *out], {},
+         f"mnist_ddp.py: error: --data '{tmp / 'nowhere'}': no such directory"),
+        ([MNIST, "--data", str(empty), *out], {},
+         f"mnist_ddp.py: error: --data '{empty}': no MNIST IDX files"),
+        ([MNIST, "--data", str(mnist), *out], {"RANK": "abc", "WORLD_SIZE": "4"},
+         "mnist_ddp.py: error: RANK='abc' is not a whole number"),
+        ([IMAGENET, *out], {}, "imagenet.py: error: the data set DIR is required"),
+        ([IMAGENET, str(tmp / "nowhere"), *out], {},
+         f"imagenet.py: error: DIR '{tmp / 'nowhere'}': no such directory"),
+        ([IMAGENET, str(empty), *out], {}, f"imagenet.py: error: DIR '{empty}' has no train/"),
+        ([IMAGENET, "--stage-tar", str(tmp / "missing.tar"), *out], {},
+         f"imagenet.py: error: --stage-tar '{tmp / 'missing.tar'}': no such file"),
+        ([IMAGENET, str(folder), "--rank", "1", "--world-size", "2", *out],
+         {"RANK": "0", "WORLD_SIZE": "2"},
+         "imagenet.py: error: --rank 1 disagrees with RANK=0 from the launcher"),
+        ([DEEPSPEED, "--deepspeed_config", str(tmp / "missing.json"), str(folder), *out], {},
+         f"imagenet_deepspeed.py: error: --deepspeed_config '{tmp / 'missing.json'}': "
+         "no such file"),
+        ([DEEPSPEED, "--deepspeed_config", str(bad_json), str(folder), *out], {},
+         f"imagenet_deepspeed.py: error: --deepspeed_config '{bad_json}': not valid JSON"),
+    ]
+
+
+CASE_IDS = ["mnist-no-dir", "mnist-no-idx", "mnist-bad-rank", "imagenet-no-data",
+            "imagenet-no-dir", "imagenet-no-train", "imagenet-no-tar", "imagenet-rank-conflict",
+            "ds-no-config", "ds-bad-config"]
+
+
+@pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
+def test_user_errors_are_one_line_and_train_nothing(case, mnist_dir, images, tmp_path):
+    args, env, expected = user_error_cases(mnist_dir, images[0], tmp_path)[case]
+    proc = run_one(*args, env=clean_env(**env), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(expected), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "XSCALE_" not in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Local runs: one process, two processes by hand (the launcher's variables, no Slurm)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_mnist_one_process_reads_gzip_in_torchvision_layout_and_saves_the_model(tmp_path):
+    data_dir = tmp_path / "data"
+    write_mnist(data_dir, train=512, test=256, compress=True, torchvision_layout=True)
+    assert (data_dir / "MNIST" / "raw" / "train-images-idx3-ubyte.gz").is_file()
+    proc = run_one(MNIST, "--data", str(data_dir), "--max-steps", "30", "--modelpath",
+                   str(tmp_path / "model"), *MNIST_TINY)
+    assert proc.returncode == 0, proc.stderr
+    record = summary(proc.stdout)
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("XSCALE_SUMMARY ")
+    assert (record["world_size"], record["nodes"], record["steps"]) == (1, 1, 30)
+    assert record["loss_last"] < 0.5 * record["loss_first"]
+    assert record["test_samples"] == 256 and record["accuracy"] > 0.8
+    weights = torch.load(tmp_path / "model" / "model_cpu.dat", weights_only=True)
+    assert "conv1.weight" in weights  # seed 003's state_dict file
+
+
+def test_mnist_resume_continues_exactly_where_it_stopped(mnist_dir, tmp_path):
+    base = [MNIST, "--data", str(mnist_dir), *MNIST_TINY]
+    first = run_ranks(2, *base, "--max-steps", "12", "--output-dir", str(tmp_path / "a"))
+    assert first[0] == [0, 0], first[2]
+    assert (tmp_path / "a" / "ckpt-000012.pt").is_file()
+    resumed = run_ranks(2, *base, "--max-steps", "20", "--output-dir", str(tmp_path / "a"))
+    straight = run_ranks(2, *base, "--max-steps", "20", "--output-dir", str(tmp_path / "b"))
+    assert resumed[0] == [0, 0] and straight[0] == [0, 0], resumed[2] + straight[2]
+    record = summary(resumed[1])
+    assert (record["start_step"], record["steps"]) == (12, 20)
+    # Weights, optimizer, data order and random streams all resumed: bit for bit the same
+    # model as the run that was never interrupted.
+    assert digests(resumed[1]) == digests(straight[1])
+    assert len(digests(straight[1])) == 1
+
+
+def test_a_stop_signal_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(mnist_dir,
+                                                                                tmp_path):
+    out = tmp_path / "out"
+    procs = start_ranks(2, MNIST, "--data", str(mnist_dir), *MNIST_TINY, "--max-steps",
+                        "100000", "--checkpoint-every", "2", "--output-dir", str(out))
+    deadline = time.monotonic() + 120
+    while not (out / "ckpt-000002.pt").exists():  # training is under way: the marker
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGUSR1)  # Slurm's warning, to one rank only
+    codes, stdout, stderr = finish(procs, timeout=120)
+    assert codes == [0, 0], stderr
+    record = summary(stdout)
+    assert record["stopped_early"] is True
+    assert 2 <= record["steps"] < 100000
+    ranks = rank_records(stdout)
+    assert {r["steps"] for r in ranks} == {record["steps"]}
+    assert len(digests(stdout)) == 1
+    assert (out / f"ckpt-{record['steps']:06d}.pt").is_file()
+
+
+def test_imagenet_trains_from_a_tarball_staged_once_per_node(images, tmp_path):
+    _, tarball = images
+    stage = tmp_path / "node-local"
+    codes, stdout, stderr = run_ranks(2, IMAGENET, *VISION_TINY, "--max-steps", "6",
+                                      "--stage-tar", str(tarball), "--stage-dir", str(stage))
+    assert codes == [0, 0], stderr
+    record = summary(stdout)
+    assert (record["world_size"], record["steps"]) == (2, 6)
+    assert record["val_samples"] == 32
+    assert len(list((stage / "data-resnet-small" / "data-resnet-small" / "train").rglob(
+        "*.png"))) == 256
+    assert (stage / ".data-resnet-small.staged").is_file()
+    assert len(digests(stdout)) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The virtual cluster: 4 ranks over nid001 and nid002, srun -> shim -> run.sh -> trainer
+# ---------------------------------------------------------------------------------------------
+
+
+def srun(cluster, *command: str, env: dict[str, str] | None = None):
+    return cluster.srun("-N2", "-n4", "--cpu-bind=none", "singularity", "exec", IMAGE,
+                        "/runscripts/run.sh", "python", *command,
+                        env={"OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def check_run(proc: subprocess.CompletedProcess[str], trainer: str, steps: int,
+              start_step: int) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = summary(proc.stdout)
+    assert record["trainer"] == trainer
+    assert (record["world_size"], record["nodes"]) == (4, 2)
+    assert (record["start_step"], record["steps"]) == (start_step, steps)
+    ranks = rank_records(proc.stdout)
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    assert {r["node"] for r in ranks} == {"nid001", "nid002"}
+    assert {r["steps"] for r in ranks} == {steps}
+    assert len({r["param_digest"] for r in ranks}) == 1, ranks  # replicas are identical
+    return record
+
+
+def test_mnist_on_two_nodes_learns_and_resumes(cluster, mnist_dir, tmp_path):
+    out = tmp_path / "out"
+    args = [MNIST, "--data", str(mnist_dir), *MNIST_TINY, "--output-dir", str(out),
+            "--checkpoint-every", "10"]
+    first = check_run(srun(cluster, *args, "--max-steps", "20"), "mnist_ddp", 20, 0)
+    assert first["loss_last"] < 0.5 * first["loss_first"]
+    assert first["accuracy"] > 0.5 and first["test_samples"] == 512
+    assert sorted(p.name for p in out.glob("ckpt-*.pt")) == ["ckpt-000010.pt", "ckpt-000020.pt"]
+    second = check_run(srun(cluster, *args, "--max-steps", "28"), "mnist_ddp", 28, 20)
+    assert second["loss_first"] < first["loss_first"]  # it went on from the trained weights
+
+
+def test_imagenet_on_two_nodes_with_the_seed_command_line_then_resumes(cluster, images,
+                                                                        tmp_path):
+    folder, _ = images
+    out = tmp_path / "out"
+    # Seed 000's pytorch/examples options, with run.sh filling in each rank's values.
+    seed_style = ["--world-size", "$WORLD_SIZE", "--rank", "$RANK",
+                  "--dist-url", "tcp://$MASTER_ADDR:$MASTER_PORT", "--dist-backend", "gloo"]
+    first = check_run(srun(cluster, IMAGENET, *VISION_TINY, *seed_style, "--max-steps", "12",
+                           "--output-dir", str(out), str(folder)), "imagenet", 12, 0)
+    assert first["loss_last"] < 0.5 * first["loss_first"]
+    assert first["batch_size"] == 16 and first["global_batch_size"] == 64  # 32 per node
+    assert first["val_samples"] == 32
+    second = check_run(srun(cluster, IMAGENET, *VISION_TINY, "--max-steps", "16",
+                            "--output-dir", str(out), str(folder)), "imagenet", 16, 12)
+    assert second["loss_first"] < first["loss_first"]
+
+
+def test_imagenet_deepspeed_on_two_nodes_learns_and_resumes(cluster, images, tmp_path):
+    folder, _ = images
+    EXTENSIONS.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "out"
+    first = check_run(srun(cluster, DEEPSPEED, *DS_TINY, "--max-steps", "12", "--output-dir",
+                           str(out), str(folder), env=DS_ENV), "imagenet_deepspeed", 12, 0)
+    assert first["loss_last"] < 0.5 * first["loss_first"]
+    assert (first["zero_stage"], first["dtype"], first["global_batch_size"]) == (1, "float32", 64)
+    assert (out / "latest").read_text().strip() == "global_step12"
+    second = check_run(srun(cluster, DEEPSPEED, *DS_TINY, "--max-steps", "16", "--output-dir",
+                            str(out), str(folder), env=DS_ENV), "imagenet_deepspeed", 16, 12)
+    assert second["loss_first"] < first["loss_first"]
+
+
+def test_mnist_stops_cleanly_when_slurm_signals_the_step(cluster, mnist_dir, tmp_path):
+    """The time-limit path: USR1 to srun (as the batch script forwards Slurm's warning) reaches
+    every rank through the shim and run.sh; all stop at one step, save, and exit 0."""
+    from tests.conftest import tool_env  # the environment cluster.srun runs with
+
+    out = tmp_path / "out"
+    command = ["srun", "-N2", "-n4", "--cpu-bind=none", "singularity", "exec", IMAGE,
+               "/runscripts/run.sh", "python", MNIST, "--data", str(mnist_dir), *MNIST_TINY,
+               "--max-steps", "100000", "--checkpoint-every", "4", "--output-dir", str(out)]
+    proc = subprocess.Popen(command, cwd=REPO, env=tool_env({"OMP_NUM_THREADS": "1"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "ckpt-000004.pt").exists():  # training is under way: the marker
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    record = summary(stdout)
+    assert record["stopped_early"] is True and record["signal"] == "SIGUSR1"
+    steps = record["steps"]
+    assert 4 <= steps < 100000
+    ranks = rank_records(stdout)
+    assert len(ranks) == 4 and {r["steps"] for r in ranks} == {steps}
+    assert len({r["param_digest"] for r in ranks}) == 1
+    assert (out / f"ckpt-{steps:06d}.pt").is_file()

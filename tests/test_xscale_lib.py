@@ -1,0 +1,690 @@
+"""python/xscale: unit tests, and the cross-rank parts on a 2-process gloo group started here."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from xscale import checkpoint, cli, data, dist, ds, profiling, signals, staging, summary
+from xscale.cli import UserError
+from xscale.throughput import Throughput
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON_DIR = REPO / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1", PYTHONPATH=str(PYTHON_DIR), XSCALE_TIMEOUT_S="60", **extra)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# cli: a UserError is one line and exit status 2
+# ---------------------------------------------------------------------------------------------
+
+
+def test_user_error_becomes_one_line_and_status_2(capsys):
+    def main() -> int:
+        raise UserError("--data '/nowhere': no such directory")
+
+    assert cli.run(main, prog="trainer.py") == 2
+    err = capsys.readouterr().err
+    assert err == "trainer.py: error: --data '/nowhere': no such directory\n"
+
+
+def test_cli_run_passes_statuses_through():
+    assert cli.run(lambda: None, prog="t") == 0
+    assert cli.run(lambda: 3, prog="t") == 3
+
+    def exits() -> int:
+        raise SystemExit(2)
+
+    assert cli.run(exits, prog="t") == 2
+
+
+def test_user_error_in_a_real_process_has_no_traceback(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(
+        "from xscale import cli, shutdown\n"
+        "from xscale.cli import UserError\n"
+        "def main():\n    raise UserError('bad value')\n"
+        "shutdown.exit_cleanly(cli.run(main, prog='prog.py'))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)}, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == "prog.py: error: bad value\n"
+    assert proc.stdout == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# dist: the rank variables, checked
+# ---------------------------------------------------------------------------------------------
+
+
+def test_no_rank_variables_is_one_process():
+    assert dist.read_placement({}) == dist.Placement(0, 1, 0, 1, 0, 1)
+
+
+def test_placement_from_torchrun_names():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "NODE_RANK": "1", "NNODES": "2"}
+    assert dist.read_placement(env) == dist.Placement(3, 4, 1, 2, 1, 2)
+
+
+def test_placement_defaults_when_only_rank_and_world_are_set():
+    assert dist.read_placement({"RANK": "2", "WORLD_SIZE": "4", "NNODES": "2"}) == \
+        dist.Placement(2, 4, 0, 2, 1, 2)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is outside 0..1"),
+    ({"RANK": "0"}, "WORLD_SIZE (--world-size) is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+     "LOCAL_RANK=2 is outside 0..1"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "NODE_RANK": "3", "NNODES": "2"}, "NODE_RANK=3"),
+])
+def test_bad_rank_variables_are_user_errors(env, message):
+    with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        dist.read_placement(env)
+
+
+def test_command_line_rank_must_agree_with_the_launcher():
+    env = {"RANK": "1", "WORLD_SIZE": "4"}
+    assert dist.read_placement(env, rank=1, world_size=4).rank == 1
+    with pytest.raises(UserError, match="--rank 2 disagrees with RANK=1"):
+        dist.read_placement(env, rank=2)
+    with pytest.raises(UserError, match="--world-size 8 disagrees with WORLD_SIZE=4"):
+        dist.read_placement(env, world_size=8)
+    # pytorch/examples style, no launcher variables: the command line alone.
+    assert dist.read_placement({}, rank=1, world_size=2).world_size == 2
+
+
+def test_timeout_and_backend_choices():
+    assert dist.timeout_from_env({}).total_seconds() == 600
+    assert dist.timeout_from_env({"XSCALE_TIMEOUT_S": "30"}).total_seconds() == 30
+    with pytest.raises(UserError, match="XSCALE_TIMEOUT_S='soon'"):
+        dist.timeout_from_env({"XSCALE_TIMEOUT_S": "soon"})
+    assert dist.choose_backend(None, on_gpu=False, environ={}) == "gloo"
+    assert dist.choose_backend(None, on_gpu=True, environ={}) == "nccl"
+    assert dist.choose_backend(None, on_gpu=True, environ={"XSCALE_BACKEND": "gloo"}) == "gloo"
+    assert dist.choose_backend("gloo", on_gpu=True, environ={"XSCALE_BACKEND": "nccl"}) == "gloo"
+    with pytest.raises(UserError, match="backend nccl needs a GPU"):
+        dist.choose_backend("nccl", on_gpu=False, environ={})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_device_is_the_cpu_without_gpus_and_asking_for_one_is_an_error():
+    assert dist.choose_device(local_rank=3) == torch.device("cpu")
+    with pytest.raises(UserError, match="torch sees none"):
+        dist.choose_device(local_rank=0, require_gpu=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint: atomic, found by step, the last K kept
+# ---------------------------------------------------------------------------------------------
+
+
+def test_checkpoints_are_found_by_step_not_by_name_or_time(tmp_path):
+    for step in (5, 100, 12):  # written out of order: the newest file is not the newest step
+        checkpoint.save(tmp_path, step, {"step": step, "payload": torch.tensor([step])}, keep=10)
+    checkpoint.save(tmp_path, 1000000, {"step": 1000000}, keep=10)  # past the zero padding
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [5, 12, 100, 1000000]
+    assert checkpoint.load_latest(tmp_path)["step"] == 1000000
+    assert checkpoint.checkpoint_path(tmp_path, 123).name == "ckpt-000123.pt"
+
+
+def test_only_the_newest_k_are_kept(tmp_path):
+    for step in range(1, 7):
+        checkpoint.save(tmp_path, step * 10, {"step": step * 10}, keep=3)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [40, 50, 60]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000040.pt", "ckpt-000050.pt", "ckpt-000060.pt"]
+
+
+def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path):
+    checkpoint.save(tmp_path, 10, {"step": 10, "weights": torch.ones(4)})
+
+    def dies_midway(obj, handle):
+        handle.write(b"half a checkpoint")
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.atomic_save({"step": 20}, checkpoint.checkpoint_path(tmp_path, 20),
+                               writer=dies_midway)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000010.pt"]  # no temp, no ckpt-20
+    assert checkpoint.load_latest(tmp_path)["step"] == 10
+
+
+def test_leftover_temporaries_are_ignored_and_cleaned(tmp_path):
+    (tmp_path / ".ckpt-abc.tmp").write_bytes(b"killed during a save")
+    assert checkpoint.load_latest(tmp_path) is None
+    checkpoint.save(tmp_path, 1, {"step": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000001.pt"]
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
+    checkpoint.save(tmp_path, 10, {"step": 10})
+    checkpoint.checkpoint_path(tmp_path, 20).write_bytes(b"not a torch file")
+    assert checkpoint.load_latest(tmp_path)["step"] == 10
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_no_directory_means_no_checkpoint(tmp_path):
+    assert checkpoint.load_latest(tmp_path / "missing") is None
+
+
+def test_training_state_round_trip_restores_weights_optimizer_and_random_stream(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    state = checkpoint.training_state(model, optimizer, step=7, epoch=1)
+    checkpoint.save(tmp_path, 7, state)
+    expected_draw = torch.rand(3)  # what the stream gives right after the save
+
+    fresh = nn.Linear(3, 2)
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    torch.manual_seed(123)  # a different stream, to be replaced
+    step, epoch = checkpoint.restore_training_state(
+        checkpoint.load_latest(tmp_path), fresh, fresh_optimizer)
+    assert (step, epoch) == (7, 1)
+    assert summary.param_digest(fresh) == summary.param_digest(model)
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
+    assert torch.equal(torch.rand(3), expected_draw)
+
+
+# ---------------------------------------------------------------------------------------------
+# summary: the digest that proves replicas are identical
+# ---------------------------------------------------------------------------------------------
+
+
+class Wrapper(nn.Module):
+    """Stands in for DDP / a DeepSpeed engine: the real model in `.module`."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
+
+
+def test_param_digest_is_stable_and_sees_one_ulp():
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    first = summary.param_digest(model)
+    assert first == summary.param_digest(model)
+    assert len(first) == 64 and int(first, 16) >= 0
+    with torch.no_grad():
+        weight = model[0].weight
+        weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(float("inf")))
+    assert summary.param_digest(model) != first
+
+
+def test_param_digest_ignores_wrappers_and_buffers_but_not_dtype():
+    model = small_net()
+    model(torch.randn(2, 3, 5, 5))  # materialise the lazy layer
+    digest = summary.param_digest(model)
+    assert summary.param_digest(Wrapper(model)) == digest
+    model[1].running_mean.add_(1.0)  # BatchNorm statistics differ per rank by design
+    assert summary.param_digest(model) == digest
+    assert summary.param_digest(model.to(torch.bfloat16)) != digest
+
+
+def test_summary_lines_are_json(capsys):
+    summary.rank_record(rank=1, steps=3, param_digest="ab")
+    summary.emit(trainer="t", world_size=2, loss_first=float("nan"), loss_last=torch.tensor(0.5))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == 'XSCALE_RANK {"rank": 1, "steps": 3, "param_digest": "ab"}'
+    assert lines[1].startswith("XSCALE_SUMMARY ")
+    record = json.loads(lines[1].split(" ", 1)[1])
+    assert record == {"trainer": "t", "world_size": 2, "loss_first": None, "loss_last": 0.5}
+
+
+# ---------------------------------------------------------------------------------------------
+# signals: the handler only sets a flag
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stop_handlers():
+    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    signals.reset()
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+    signals._installed = False
+    signals.reset()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_stop_signal_sets_the_flag_and_should_stop_sees_it(stop_handlers, signum):
+    signals.install()
+    assert signals.received() is None
+    assert signals.should_stop() is False
+    os.kill(os.getpid(), signum)
+    deadline = time.monotonic() + 5
+    while signals.received() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the handler runs between bytecodes of the main thread
+    assert signals.received() == signum
+    assert signals.should_stop() is True
+    assert signals.signal_name(signals.received()) == signal.Signals(signum).name
+
+
+# ---------------------------------------------------------------------------------------------
+# Two ranks on a real gloo group: reductions, agreement, clean exit
+# ---------------------------------------------------------------------------------------------
+
+TWO_RANKS = r'''
+import json, os, sys
+from pathlib import Path
+import torch
+from torch import nn
+from xscale import checkpoint, metrics, shutdown, signals, summary
+from xscale.cli import UserError
+from xscale.dist import init_distributed
+from xscale.throughput import Throughput
+
+ctx = init_distributed()
+out = {"rank": ctx.rank, "world": ctx.world_size, "backend": ctx.backend}
+# Uneven shards: rank 0 has 3 samples of loss 1.0, rank 1 one sample of loss 5.0. The job's
+# mean is 8/4 = 2.0; the mean of the two ranks' means would be 3.0.
+if ctx.rank == 0:
+    sums = metrics.all_reduce_sums({"loss_sum": 3.0, "samples": 3})
+else:
+    sums = metrics.all_reduce_sums({"loss_sum": 5.0, "samples": 1})
+out["mean_loss"] = metrics.mean(sums, "loss_sum", "samples")
+# Accuracy over uneven shards: a model that predicts class 0; rank 0's targets are all 0
+# (3 right), rank 1's are [1, 1, 1, 0, 1] (1 right of 5): 4 / 8, not (1.0 + 0.2) / 2.
+class Zero(nn.Module):
+    def forward(self, x):
+        return torch.stack([torch.ones(len(x)), torch.zeros(len(x))], dim=1)
+targets = torch.tensor([0, 0, 0]) if ctx.rank == 0 else torch.tensor([1, 1, 1, 0, 1])
+result = metrics.evaluate_classifier(Zero(), [(torch.zeros(len(targets), 1), targets)],
+                                     ctx.device)
+out["accuracy"], out["eval_samples"] = result["accuracy"], result["samples"]
+# A stop signal seen by rank 1 only stops both, at the same call.
+if ctx.rank == 1:
+    signals.request_stop()
+out["stop"] = signals.should_stop()
+meter = Throughput(ctx.device, warmup_steps=0)
+meter.start(); meter.step(10 * (ctx.rank + 1)); meter.stop()
+rates = meter.reduced()
+out["rates_sum_ok"] = abs(rates["samples_per_s"] - 2 * rates["samples_per_s_per_rank"]) < 1e-6
+# Checkpoints in different directories per rank (node-local storage): refused.
+mine = Path(sys.argv[1]) / f"rank{ctx.rank}"
+if ctx.rank == 0:
+    checkpoint.save(mine, 4, {"step": 4})
+try:
+    checkpoint.load_latest(mine)
+    out["disagreement"] = None
+except UserError as error:
+    out["disagreement"] = str(error)
+# The same directory: every rank resumes from the same step.
+shared = Path(sys.argv[1]) / "shared"
+if ctx.rank == 0:
+    checkpoint.save(shared, 9, {"step": 9})
+torch.distributed.barrier()
+out["shared_step"] = checkpoint.load_latest(shared)["step"]
+rng = checkpoint.gather_rng_states()
+out["rng_states"] = len(rng)
+print("RESULT " + json.dumps(out), flush=True)
+shutdown.exit_cleanly(int(os.environ.get("EXIT_WITH", "0")))
+'''
+
+
+def run_two_ranks(tmp_path: Path, program: str, *args: str, **extra: str) -> list:
+    script = tmp_path / "two_ranks.py"
+    script.write_text(program)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=rank_env(rank, 2, port, **extra))
+             for rank in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        results.append((proc.returncode, out, err))
+    return results
+
+
+def results_of(runs: list) -> list[dict]:
+    records = []
+    for code, out, err in runs:
+        assert code == 0, err
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        records.append(json.loads(line.split(" ", 1)[1]))
+    return records
+
+
+def test_two_ranks_reduce_sums_not_averages_and_agree(tmp_path):
+    records = results_of(run_two_ranks(tmp_path, TWO_RANKS, str(tmp_path)))
+    for record in records:
+        assert record["world"] == 2 and record["backend"] == "gloo"
+        assert record["mean_loss"] == pytest.approx(2.0)
+        assert record["accuracy"] == pytest.approx(0.5)
+        assert record["eval_samples"] == 8
+        assert record["stop"] is True
+        assert record["rates_sum_ok"] is True
+        assert "different newest checkpoints" in record["disagreement"]
+        assert record["shared_step"] == 9
+        assert record["rng_states"] == 2
+
+
+def test_exit_cleanly_keeps_the_status_every_time(tmp_path):
+    """The gloo abort at interpreter exit (DESIGN.md) must never replace the chosen status."""
+    program = ("from xscale import shutdown\nfrom xscale.dist import init_distributed\n"
+               "import os, torch\nctx = init_distributed()\n"
+               "torch.distributed.all_reduce(torch.ones(1))\nprint('done', flush=True)\n"
+               "shutdown.exit_cleanly(int(os.environ['EXIT_WITH']))\n")
+    for status in (0, 0, 0, 3):
+        runs = run_two_ranks(tmp_path, program, EXIT_WITH=str(status))
+        assert [code for code, _, _ in runs] == [status, status], runs
+        assert all(out == "done\n" for _, out, _ in runs)
+
+
+def test_single_process_needs_no_master_addr(tmp_path):
+    program = ("from xscale import shutdown\nfrom xscale.dist import init_distributed\n"
+               "import torch\nctx = init_distributed()\nt = torch.ones(1)\n"
+               "torch.distributed.all_reduce(t)\nprint(ctx.rank, ctx.world_size, t.item())\n"
+               "shutdown.exit_cleanly(0)\n")
+    script = tmp_path / "one.py"
+    script.write_text(program)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(PYTHON_DIR)}, timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "0 1 1.0\n"), proc.stderr
+
+
+def test_missing_master_addr_is_a_user_error(tmp_path):
+    script = tmp_path / "p.py"
+    script.write_text("from xscale import cli, shutdown\nfrom xscale.dist import init_distributed\n"
+                      "shutdown.exit_cleanly(cli.run(init_distributed, prog='p.py'))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**env, "RANK": "0", "WORLD_SIZE": "2",
+                               "PYTHONPATH": str(PYTHON_DIR)}, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("p.py: error: MASTER_ADDR is not set")
+    assert len(proc.stderr.splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# staging: one unpacker per node, the others wait for its marker
+# ---------------------------------------------------------------------------------------------
+
+
+def make_tar(tmp_path: Path, files: int = 50) -> Path:
+    src = tmp_path / "src" / "dataset"
+    for index in range(files):
+        (src / "train" / f"c{index % 3}").mkdir(parents=True, exist_ok=True)
+        (src / "train" / f"c{index % 3}" / f"{index}.bin").write_bytes(os.urandom(2048))
+    tar_path = tmp_path / "dataset.tar"
+    with tarfile.open(tar_path, "w") as archive:
+        archive.add(src, arcname="dataset")
+    return tar_path
+
+
+STAGE = ("import sys, json\nfrom xscale import cli, staging\n"
+         "def main():\n"
+         "    path = staging.stage_tar(sys.argv[1], sys.argv[2], local_rank=int(sys.argv[3]),\n"
+         "                             timeout_s=float(sys.argv[4]), poll_s=0.02)\n"
+         "    print(path)\n"
+         "sys.exit(cli.run(main, prog='stage'))\n")
+
+
+def stage_ranks(tar_path: Path, dest: Path, ranks: list[int], timeout_s: float = 60) -> list:
+    """Start the waiting ranks first, then local rank 0: they must wait for its marker."""
+    env = {**os.environ, "PYTHONPATH": str(PYTHON_DIR)}
+    procs = [subprocess.Popen([sys.executable, "-c", STAGE, str(tar_path), str(dest), str(r),
+                               str(timeout_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+             for r in sorted(ranks, reverse=True)]
+    return [(p.wait(timeout=120), p.stdout.read(), p.stderr.read()) for p in procs]
+
+
+def test_staging_unpacks_once_and_every_local_rank_gets_the_directory(tmp_path):
+    tar_path, dest = make_tar(tmp_path), tmp_path / "node-local"
+    runs = stage_ranks(tar_path, dest, [0, 1, 2, 3])
+    assert [code for code, _, _ in runs] == [0, 0, 0, 0], runs
+    assert {out.strip() for _, out, _ in runs} == {str(dest / "dataset")}
+    staged = sorted(p.relative_to(dest / "dataset").as_posix()
+                    for p in (dest / "dataset").rglob("*.bin"))
+    assert len(staged) == 50 and staged[0].startswith("dataset/train/")
+    assert not list(dest.glob("*.partial"))
+    # A second job on the node finds the marker: nothing is unpacked again.
+    first_mtime = (dest / "dataset").stat().st_mtime_ns
+    assert staging.stage_tar(tar_path, dest, local_rank=0) == dest / "dataset"
+    assert (dest / "dataset").stat().st_mtime_ns == first_mtime
+
+
+def test_two_unpackers_sharing_one_directory_do_not_collide(tmp_path):
+    # Two "nodes" with one /tmp (the virtual cluster), or two jobs of one user on a node.
+    tar_path, dest = make_tar(tmp_path, files=200), tmp_path / "shared-tmp"
+    runs = stage_ranks(tar_path, dest, [0, 0, 1])
+    assert [code for code, _, _ in runs] == [0, 0, 0], runs
+    assert len(list((dest / "dataset").rglob("*.bin"))) == 200
+
+
+def test_a_changed_tarball_is_staged_again(tmp_path):
+    tar_path, dest = make_tar(tmp_path, files=3), tmp_path / "node-local"
+    staging.stage_tar(tar_path, dest, local_rank=0)
+    tar_path = make_tar(tmp_path, files=9)
+    staging.stage_tar(tar_path, dest, local_rank=0)
+    assert len(list((dest / "dataset").rglob("*.bin"))) == 9
+
+
+def test_staging_errors_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        staging.stage_tar(tmp_path / "missing.tar", tmp_path / "dest", local_rank=0)
+    tar_path = make_tar(tmp_path, files=2)
+    with pytest.raises(UserError, match="was not staged .* within 0 s"):
+        staging.stage_tar(tar_path, tmp_path / "dest", local_rank=1, timeout_s=0.1, poll_s=0.02)
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(b"this is not a tarball" * 100)
+    runs = stage_ranks(broken, tmp_path / "dest2", [0, 1], timeout_s=60)
+    assert [code for code, _, _ in runs] == [2, 2]
+    # The waiting rank learns of the failure from the marker, not from its timeout.
+    assert all(err.startswith("stage: error:") and len(err.splitlines()) == 1
+               for _, _, err in runs), runs
+    assert any("local rank 0 failed" in err for _, _, err in runs)
+
+
+# ---------------------------------------------------------------------------------------------
+# data: resumable epochs and exact evaluation shards
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shards_cover_each_sample_exactly_once():
+    dataset = list(range(10))
+    shards = [list(data.ShardSampler(dataset, 4, rank)) for rank in range(4)]
+    assert sorted(i for shard in shards for i in shard) == dataset
+    assert [len(s) for s in shards] == [3, 3, 2, 2]
+
+
+def test_a_resumed_run_sees_the_batches_the_uninterrupted_run_would_have():
+    dataset = torch.utils.data.TensorDataset(torch.arange(40))
+
+    def batches(start: int, stop: int) -> list[tuple[int, int, list[int]]]:
+        sampler = data.ResumableSampler(dataset, num_replicas=2, rank=1, seed=3)
+        loader = data.make_loader(dataset, sampler, batch_size=4, workers=0,
+                                  device=torch.device("cpu"), drop_last=True)
+        return [(step, epoch, batch[0].tolist()) for step, epoch, batch in
+                data.train_batches(loader, sampler, start_step=start, epochs=None,
+                                   max_steps=stop)]
+
+    whole = batches(0, 12)
+    assert [step for step, _, _ in whole] == list(range(12))
+    assert [epoch for _, epoch, _ in whole] == [0] * 5 + [1] * 5 + [2] * 2
+    assert batches(0, 7) + batches(7, 12) == whole
+    assert whole[0][2] != whole[5][2]  # each epoch reshuffled
+
+
+WORKERS_AND_SIGNALS = r"""
+import os, signal, torch
+from torch.utils.data import DataLoader, TensorDataset
+from xscale import data, signals
+if __name__ == "__main__":
+    signals.install()
+    SHIELD
+    dataset = TensorDataset(torch.arange(64))
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="spawn", worker_init_fn=INIT)
+    seen = 0
+    for epoch in range(2):
+        for index, batch in enumerate(loader):
+            seen += len(batch[0])
+            if epoch == 0 and index == 1:  # workers are up: Slurm signals the whole task
+                os.killpg(os.getpgid(0), signal.SIGUSR1)
+    print(seen, signals.received() == signal.SIGUSR1, flush=True)
+"""
+
+
+@pytest.mark.parametrize("init, shield, survives", [
+    ("data.ignore_stop_signal", "data.shield_resource_tracker()", True),
+    ("None", "pass", False),
+])
+def test_spawned_loader_workers_survive_slurms_warning_signal(tmp_path, init, shield, survives):
+    # What make_loader does on GPUs (spawned workers); without its hooks, SIGUSR1's default
+    # action kills the workers and the step fails instead of checkpointing.
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS_AND_SIGNALS.replace("INIT", init).replace("SHIELD", shield))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, start_new_session=True,
+                          env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
+    if survives:
+        assert (proc.returncode, proc.stdout) == (0, "128 True\n"), proc.stderr
+        assert "died unexpectedly" not in proc.stderr and "Traceback" not in proc.stderr
+    else:
+        # The workers die; how the main process learns it varies (a worker-killed error, or a
+        # reset connection while a batch was in flight), but the run always fails.
+        assert proc.returncode != 0 and proc.stdout == "", proc.stderr
+
+
+def test_a_batch_larger_than_a_ranks_share_is_a_user_error():
+    sampler = data.ResumableSampler(list(range(10)), num_replicas=4, rank=0)
+    with pytest.raises(UserError, match="lower --batch-size"):
+        data.steps_per_epoch(sampler, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# profiling: the window opens and closes at the configured steps
+# ---------------------------------------------------------------------------------------------
+
+
+def test_no_profiling_variables_means_no_window():
+    window = profiling.window_from_env(0, torch.device("cpu"), {})
+    assert window.mode == "off"
+    for step in range(5):
+        window.step(step)
+    assert not window.active
+
+
+def test_external_window_is_active_exactly_for_its_steps():
+    env = {"XSCALE_PROFILED": "1", "PROFILE_STEP_START": "2", "PROFILE_STEPS": "3"}
+    window = profiling.window_from_env(0, torch.device("cpu"), env)
+    active = []
+    for step in range(8):
+        window.step(step)
+        active.append(window.active)
+    assert active == [False, False, True, True, True, False, False, False]
+
+
+def test_torch_profiler_writes_this_ranks_trace(tmp_path):
+    env = {"XSCALE_TORCH_PROFILER": "1", "PROFILE_STEP_START": "2", "PROFILE_STEPS": "2",
+           "PROFILE_DIR": str(tmp_path)}
+    window = profiling.window_from_env(3, torch.device("cpu"), env)
+    model = nn.Linear(8, 8)
+    for step in range(6):
+        window.step(step)
+        model(torch.randn(4, 8)).sum().backward()
+    window.close()
+    traces = list((tmp_path / "rank3").glob("rank3*.json"))
+    assert len(traces) == 1
+    text = traces[0].read_text()
+    assert "ProfilerStep#2" in text and "ProfilerStep#3" in text
+    assert "ProfilerStep#4" not in text and "ProfilerStep#1" not in text
+
+
+@pytest.mark.parametrize("name, value", [("PROFILE_STEPS", "0"), ("PROFILE_STEP_START", "ten")])
+def test_bad_profile_variables_are_user_errors(name, value):
+    with pytest.raises(UserError, match=name):
+        profiling.window_from_env(0, torch.device("cpu"), {"XSCALE_PROFILED": "1", name: value})
+
+
+# ---------------------------------------------------------------------------------------------
+# throughput
+# ---------------------------------------------------------------------------------------------
+
+
+def test_throughput_counts_after_the_warmup():
+    meter = Throughput(torch.device("cpu"), warmup_steps=1)
+    meter.start()
+    meter.step(1000)  # the slow first step: not counted
+    for _ in range(3):
+        meter.step(10, tokens=100)
+    meter.stop()
+    rates = meter.local()
+    assert rates.steps == 4
+    assert rates.tokens_per_s == pytest.approx(rates.samples_per_s * 10)
+    assert meter.reduced()["samples_per_s"] == pytest.approx(rates.samples_per_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# ds: the DeepSpeed config against the command line (no DeepSpeed needed)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shipped_deepspeed_configs_parse_and_scale_to_any_world_size():
+    configs = REPO / "python" / "configs"
+    fp16 = ds.load_config(configs / "ds_fp16_z1.json")
+    assert fp16["zero_optimization"]["stage"] == 1 and fp16["fp16"]["enabled"] is True
+    assert ds.load_config(configs / "ds_bf16_z2.json")["bf16"]["enabled"] is True
+    cpu = ds.load_config(configs / "ds_cpu_z1.json")
+    assert cpu["optimizer"]["params"]["torch_adam"] is True
+    # The example's 256 on 8 GCDs is 32 each; the same file on 16 ranks keeps 16 each.
+    assert ds.batch_sizes(fp16, 8, None)["train_micro_batch_size_per_gpu"] == 32
+    scaled = ds.batch_sizes(fp16, 16, None)
+    assert (scaled["train_micro_batch_size_per_gpu"], scaled["train_batch_size"]) == (16, 256)
+    # --batch-size (already divided per rank) wins, and the total follows the world size.
+    given = ds.batch_sizes(cpu, 4, 512)
+    assert (given["train_micro_batch_size_per_gpu"], given["train_batch_size"]) == (512, 2048)
+    assert ds.set_learning_rate(cpu, 0.5)["optimizer"]["params"] == {**cpu["optimizer"]["params"],
+                                                                     "lr": 0.5}
+    assert ds.set_learning_rate(cpu, None) is cpu
+    with pytest.raises(UserError, match="less than one sample per rank"):
+        ds.batch_sizes({"train_batch_size": 4}, 8, None)
+
+
+def test_bad_deepspeed_configs_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        ds.load_config(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="expected a JSON object"):
+        ds.load_config(tmp_path / "list.json")
