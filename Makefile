@@ -7,7 +7,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.xscale-installed
 BUILD   := build
-SHELL_SOURCES = $(shell git ls-files 'runscripts/*' 'jobs/*' 'tests/*.sh' 'tests/**/*.sh' 'tests/shim/*' '.ci/run' | \
+SHELL_SOURCES = $(shell git ls-files 'runscripts/*' 'jobs/*' 'containers/*' 'tests/*.sh' 'tests/**/*.sh' 'tests/shim/*' '.ci/run' | \
                   while read -r f; do head -c 100 "$$f" | grep -qE '^(\#!.*(ba)?sh|\# shellcheck shell=bash)' && echo "$$f"; done)
 
 .PHONY: help setup system-packages venv test lint unit demo bench cluster-up cluster-down clean

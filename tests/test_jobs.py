@@ -1,0 +1,481 @@
+"""Job templates: jobs/lumi/*.sbatch and jobs/local/*.sbatch on the virtual Slurm cluster, and
+jobs/aurora/*.pbs with a stand-in mpiexec.
+
+The LUMI templates run here unchanged. What the virtual cluster lacks is overridden the way a user
+would: sbatch options on the command line (they win over #SBATCH lines) for the allocation, and the
+templates' parameters from the environment for the rest (CPU masks for 2-CPU nodes, binds that
+exist, CPU training, tiny data, a few steps).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pwd
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, VENV_BIN, Job, tool_env
+from tests.helpers import env_lines, rank_records, summary
+
+LUMI = sorted((REPO / "jobs" / "lumi").glob("*.sbatch"))
+LOCAL = sorted((REPO / "jobs" / "local").glob("*.sbatch"))
+AURORA = sorted((REPO / "jobs" / "aurora").glob("*.pbs"))
+CPU_MASKS = REPO / "runscripts" / "cpu-masks"
+SEED_AURORA_CPU_LIST = "4:9:14:19:20:25:56:61:66:71:74:79"
+USER = pwd.getpwuid(os.getuid()).pw_name
+MAX_STEPS = 3
+# Each real run is bounded twice: by the job's own time limit, and by how long we wait for it.
+JOB_TIME = "--time=00:05:00"
+WAIT_S = 300
+
+
+def lumi(name: str) -> Path:
+    return REPO / "jobs" / "lumi" / name
+
+
+def ids(path: Path) -> str:
+    return f"{path.parent.name}/{path.name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What every template must look like (static)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_there_are_the_lumi_templates_the_scenarios_need():
+    assert {p.name for p in LUMI} >= {
+        "smoke.sbatch", "mnist.sbatch", "gpt-neo-1node.sbatch", "gpt-neo.sbatch",
+        "gpt-neo-profile.sbatch", "imagenet.sbatch", "imagenet-deepspeed.sbatch",
+        "imagenet-prestage.sbatch", "imagenet-miopen-cache.sbatch",
+    }
+    assert AURORA
+
+
+def test_every_template_is_shellcheck_clean():
+    proc = subprocess.run(
+        ["shellcheck", "-s", "bash", *map(str, LUMI + LOCAL + AURORA)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout
+
+
+def sbatch_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+def sbatch_option(text: str, name: str) -> str | None:
+    for line in sbatch_lines(text):
+        match = re.match(rf"#SBATCH --{name}(?:=(\S+))?(\s|$)", line)
+        if match:
+            return match.group(1) or ""
+    return None
+
+
+def srun_commands(text: str) -> list[str]:
+    """Every srun command, its continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [line.strip() for line in joined.splitlines() if line.strip().startswith("srun ")]
+
+
+@pytest.mark.parametrize("path", LUMI, ids=ids)
+def test_lumi_template_shape(path: Path):
+    text = path.read_text()
+    assert text.startswith("#!/bin/bash\n")
+    assert "set -euo pipefail" in text
+    # The header: LUMI-G's partitions and layout, a placeholder account, a comment on every line.
+    assert sbatch_option(text, "partition") in {"standard-g", "small-g"}
+    assert sbatch_option(text, "gpus-per-node") == "8"
+    assert sbatch_option(text, "ntasks-per-node") == "8"
+    assert sbatch_option(text, "account") is not None
+    for line in sbatch_lines(text):
+        assert re.search(r"\S\s+# \S", line), f"no comment on: {line}"
+    # Parameters from the environment, binds and masks by name, MASTER_ADDR from outside.
+    assert re.search(r'^: "\$\{SIF:=/appl/local/containers/sif-images/', text, re.M)
+    assert re.search(r'^: "\$\{BINDS:=', text, re.M)
+    assert re.search(r'CPU_MASKS=\$\("\$XSCALE_ROOT/runscripts/cpu-masks" lumi\)', text)
+    assert "CCD" in text  # the GCD-to-CCD mapping is explained where the masks are chosen
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
+    # Every srun can end the step on a dead rank; the ranks start through run.sh, never bash -c.
+    sruns = srun_commands(text)
+    assert sruns and all("--kill-on-bad-exit=1" in s for s in sruns if "/runscripts/" in s)
+    assert "bash -c" not in text and "eval " not in text
+    training = [s for s in sruns if re.search(r"/runscripts/run(-profile)?\.sh python", s)]
+    assert training, "no srun line calls run.sh"
+    assert all('singularity exec -B "$BINDS" "$SIF"' in s for s in training)
+    masked = [s for s in training if '--cpu-bind=mask_cpu:"$CPU_MASKS"' in s]
+    # The smoke test's first step runs one task per node, where no mask applies.
+    assert masked == training or (path.name == "smoke.sbatch" and masked)
+    if sbatch_option(text, "nodes") != "1":
+        # Across nodes RCCL needs the host's Slingshot stack in the container (seed 000).
+        binds = re.search(r'^: "\$\{BINDS:=([^}]*)\}"', text, re.M).group(1)
+        assert {"/var/spool/slurmd", "/opt/cray", "/usr/lib64/libcxi.so.1"} <= set(
+            binds.split(",")
+        )
+    if path.name != "smoke.sbatch":  # a one-minute check has no time limit to outlive
+        assert "scontrol requeue" in text  # the marked place for the time-limit issue
+
+
+# ---------------------------------------------------------------------------------------------
+# sbatch --test-only: the scheduler accepts every template
+# ---------------------------------------------------------------------------------------------
+
+# The virtual cluster: partition debug, 2 nodes of 2 CPUs and 4 (fake) GPUs, no accounting.
+VIRTUAL = ("--partition=debug", "--account=xscale-test", "--ntasks-per-node=2",
+           "--gpus-per-node=4", JOB_TIME)
+
+
+def sbatch_test_only(path: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sbatch", "--test-only", *options, str(path)], cwd=REPO, capture_output=True,
+        text=True, timeout=60, check=False,
+    )
+
+
+@pytest.mark.parametrize("path", LUMI, ids=ids)
+def test_lumi_template_is_accepted_with_the_virtual_clusters_options(cluster, path: Path):
+    nodes = "--nodes=1" if sbatch_option(path.read_text(), "nodes") == "1" else "--nodes=2"
+    proc = sbatch_test_only(path, *VIRTUAL, nodes)
+    assert proc.returncode == 0, proc.stderr
+    assert "to start at" in proc.stderr
+
+
+@pytest.mark.parametrize("path", LUMI, ids=ids)
+def test_lumi_template_asks_for_lumis_partition(cluster, path: Path):
+    # Unchanged, the header asks for LUMI-G, which the virtual cluster does not have.
+    proc = sbatch_test_only(path)
+    assert proc.returncode != 0
+    assert "invalid partition" in proc.stderr.lower()
+
+
+@pytest.mark.parametrize("path", LOCAL, ids=ids)
+def test_local_template_is_accepted_as_it_is(cluster, path: Path):
+    proc = sbatch_test_only(path)
+    assert proc.returncode == 0, proc.stderr
+    assert "to start at" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs, one at a time (2 cores): tiny data, a few steps, CPU and gloo
+# ---------------------------------------------------------------------------------------------
+
+
+def virtual_masks(tasks_per_node: int = 2) -> str:
+    cores = str(2 // tasks_per_node)
+    proc = subprocess.run(
+        [str(CPU_MASKS), "--cores-per-task", cores, "--tasks", str(tasks_per_node)],
+        capture_output=True, text=True, check=True,
+    )
+    return proc.stdout.strip()
+
+
+def virtual_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The templates' parameters for the virtual cluster: what exists here instead of LUMI's."""
+    env = {
+        "CPU_MASKS": virtual_masks(),
+        "BINDS": f"{REPO},{REPO}/runscripts:/runscripts,{tmp_path}",
+        "USE_GPU": "0",
+        "DIST_BACKEND": "gloo",
+        "MAX_STEPS": str(MAX_STEPS),
+        "OUTPUT_DIR": str(tmp_path / "output"),
+    }
+    env.update(extra)
+    return env
+
+
+# Where a job can end up; we poll for these rather than `sbatch --wait`, whose back-off between
+# polls (up to 32 s) would double the time of these short jobs.
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+
+
+def submit(cluster, path: Path, tmp_path: Path, nodes: int, *args: str,
+           tasks_per_node: int = 2, env: dict[str, str] | None = None) -> Job:
+    """Submit PATH with the virtual cluster's options, wait for it to end, expect COMPLETED."""
+    output = tmp_path / f"{path.stem}.out"
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "-o", str(output), *VIRTUAL, f"--nodes={nodes}",
+         f"--ntasks-per-node={tasks_per_node}", str(path), *args],
+        cwd=REPO, env=tool_env(env), capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    try:
+        cluster.wait_state(job_id, ENDED, WAIT_S)
+    except AssertionError:
+        subprocess.run(["scancel", job_id], check=False, timeout=30)
+        raise
+    state, exit_code = cluster.job_state(job_id)
+    text = output.read_text() if output.exists() else ""
+    assert state == "COMPLETED", f"job {job_id}: {state} {exit_code}\n{text[-6000:]}"
+    return Job(job_id, state, exit_code, text)
+
+
+def check_summary(output: str, trainer: str, world_size: int) -> dict:
+    record = summary(output)
+    assert str(record["trainer"]).startswith(trainer), record
+    assert record["world_size"] == world_size
+    assert record["steps"] == MAX_STEPS
+    for key in ("loss_first", "loss_last", "seconds"):
+        assert math.isfinite(float(record[key])), (key, record)
+    ranks = rank_records(output)
+    assert len(ranks) == world_size, ranks
+    return record
+
+
+@pytest.fixture(scope="module")
+def mnist_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mnist")
+    subprocess.run([sys.executable, "tests/fixtures/mnist_idx.py", str(out)], cwd=REPO,
+                   check=True, capture_output=True, timeout=120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpt")
+    subprocess.run([sys.executable, "tests/fixtures/tiny_gpt_neo.py", str(out)], cwd=REPO,
+                   check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def imagenet_data(tmp_path_factory) -> tuple[Path, Path]:
+    """(ImageFolder named like the seed's data-resnet-small, a tarball of it)."""
+    root = tmp_path_factory.mktemp("imagenet")
+    folder = root / "data-resnet-small"
+    subprocess.run([sys.executable, "tests/fixtures/imagefolder.py", str(folder)], cwd=REPO,
+                   check=True, capture_output=True, timeout=120)
+    tarball = root / "data-resnet-small.tar"
+    with tarfile.open(tarball, "w") as tar:
+        tar.add(folder, arcname=folder.name)
+    return folder, tarball
+
+
+# Tiny GPT-neo: short sequences, no evaluation or sample generation, nothing saved mid-run.
+GPT_TINY = ("--max-length", "64", "--eval-steps", "1000", "--save-steps", "1000",
+            "--sample-reviews", "0")
+IMAGENET_TINY = {"ARCH": "resnet18", "BATCH_SIZE": "8", "WORKERS": "0", "EPOCHS": "1",
+                 "IMAGE_SIZE": "32"}
+
+
+def gpt_env(tmp_path: Path, gpt_data: Path, **extra: str) -> dict[str, str]:
+    return virtual_env(
+        tmp_path, PRETRAINED_MODEL=str(gpt_data / "model"), DATASET=str(gpt_data / "imdb"),
+        LOGGING_DIR=str(tmp_path / "logging"), NUM_WORKERS="0", BATCH_SIZE="4",
+        HF_HUB_OFFLINE="1", **extra,
+    )
+
+
+def test_local_mnist_runs(cluster, tmp_path, mnist_data):
+    job = submit(cluster, REPO / "jobs" / "local" / "mnist.sbatch", tmp_path, 2,
+                 env={"DATA": str(mnist_data), "OUTPUT_DIR": str(tmp_path / "output"),
+                      "MAX_STEPS": str(MAX_STEPS)})
+    check_summary(job.output, "mnist", 4)
+
+
+def test_lumi_smoke_reports_each_nodes_gpus_and_each_ranks_cores(cluster, tmp_path):
+    job = submit(cluster, lumi("smoke.sbatch"), tmp_path, 2, env=virtual_env(tmp_path))
+    nodes = sorted(re.findall(r"^smoke: node=(\S+) torch_gpus=(\d+) visible=(\S+)$",
+                              job.output, re.M))
+    # One line per node; Slurm gave each node its 4 (fake) GPUs; CPU torch sees none of them.
+    assert nodes == [("nid001", "0", "0,1,2,3"), ("nid002", "0", "0,1,2,3")]
+    bindings = sorted(re.findall(
+        r"^binding: rank=(\d+) local_rank=(\d+) node=(\S+) cpus=(\S+)$", job.output, re.M))
+    # Local rank i runs on core i of its node: the masks 0x1,0x2 from cpu-masks, applied.
+    assert bindings == [("0", "0", "nid001", "0"), ("1", "1", "nid001", "1"),
+                        ("2", "0", "nid002", "0"), ("3", "1", "nid002", "1")]
+
+
+def test_lumi_mnist_runs(cluster, tmp_path, mnist_data):
+    job = submit(cluster, lumi("mnist.sbatch"), tmp_path, 2,
+                 env=virtual_env(tmp_path, DATA=str(mnist_data), BATCH_SIZE="16"))
+    check_summary(job.output, "mnist", 4)
+
+
+def test_lumi_gpt_neo_on_one_node(cluster, tmp_path, gpt_data):
+    job = submit(cluster, lumi("gpt-neo-1node.sbatch"), tmp_path, 1, *GPT_TINY,
+                 env=gpt_env(tmp_path, gpt_data))
+    check_summary(job.output, "gpt_neo", 2)
+
+
+def test_lumi_gpt_neo_on_two_nodes(cluster, tmp_path, gpt_data):
+    job = submit(cluster, lumi("gpt-neo.sbatch"), tmp_path, 2, *GPT_TINY,
+                 env=gpt_env(tmp_path, gpt_data))
+    check_summary(job.output, "gpt_neo", 4)
+
+
+def test_lumi_gpt_neo_profiles_exactly_the_chosen_rank(cluster, tmp_path, gpt_data):
+    profiles = tmp_path / "profiles"
+    job = submit(cluster, lumi("gpt-neo-profile.sbatch"), tmp_path, 2, *GPT_TINY,
+                 env=gpt_env(tmp_path, gpt_data, PROFILE_RANKS="3", PROFILE_DIR=str(profiles)))
+    check_summary(job.output, "gpt_neo", 4)
+    # The generic site's profiler is py-spy: one flame graph, rank 3's, and none of the others.
+    assert sorted(p.name for p in profiles.glob("rank*.svg")) == ["rank3.svg"]
+    assert (profiles / "rank3.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_lumi_imagenet_runs(cluster, tmp_path, imagenet_data):
+    folder, _ = imagenet_data
+    job = submit(cluster, lumi("imagenet.sbatch"), tmp_path, 2,
+                 env=virtual_env(tmp_path, DATA=str(folder), **IMAGENET_TINY))
+    check_summary(job.output, "imagenet", 4)
+
+
+def test_lumi_imagenet_deepspeed_runs(cluster, tmp_path, imagenet_data):
+    folder, _ = imagenet_data
+    # DeepSpeed JIT-builds ops on first use: keep them between test runs, as CI keeps build/.
+    extensions = REPO / "build" / "torch-extensions"
+    extensions.mkdir(parents=True, exist_ok=True)
+    env = virtual_env(
+        tmp_path, DATA=str(folder), DS_ACCELERATOR="cpu",
+        DS_CONFIG=str(REPO / "python" / "configs" / "ds_cpu_z1.json"),
+        TORCH_EXTENSIONS_DIR=str(extensions), **IMAGENET_TINY,
+    )
+    job = submit(cluster, lumi("imagenet-deepspeed.sbatch"), tmp_path, 2, env=env)
+    check_summary(job.output, "imagenet_deepspeed", 4)
+
+
+def test_lumi_imagenet_from_data_staged_in_tmp(cluster, tmp_path, imagenet_data):
+    # One node: the two virtual nodes share one /tmp, which on LUMI every node has to itself.
+    _, tarball = imagenet_data
+    job = submit(cluster, lumi("imagenet-prestage.sbatch"), tmp_path, 1,
+                 env=virtual_env(tmp_path, DATA_TAR=str(tarball), **IMAGENET_TINY))
+    check_summary(job.output, "imagenet", 2)
+    # The ranks read the job's own copy in node-local /tmp (the trainer names its data directory),
+    # and the copy is gone afterwards: /tmp is the node's memory on LUMI.
+    staged = Path(f"/tmp/{USER}-xscale-data-{job.job_id}")
+    assert f"{staged}/data-resnet-small" in job.output
+    assert not staged.exists()
+
+
+def test_lumi_imagenet_restores_and_saves_the_miopen_cache(cluster, tmp_path, imagenet_data):
+    folder, _ = imagenet_data
+    cache = tmp_path / "miopen-cache.tar"
+    seeded = tmp_path / "seed"
+    seeded.mkdir()
+    (seeded / "gfx90a_110.ukdb").write_text("kernels of the last job\n")
+    with tarfile.open(cache, "w") as tar:
+        tar.add(seeded, arcname=".")
+    before = cache.stat().st_mtime_ns
+    job = submit(cluster, lumi("imagenet-miopen-cache.sbatch"), tmp_path, 1,
+                 env=virtual_env(tmp_path, DATA=str(folder), MIOPEN_CACHE_TAR=str(cache),
+                                 **IMAGENET_TINY))
+    check_summary(job.output, "imagenet", 2)
+    # Restored into the node's cache before training, saved from it after: the last job's file
+    # survived the round trip in a tarball written by this job.
+    assert cache.stat().st_mtime_ns > before
+    with tarfile.open(cache) as tar:
+        assert "./gfx90a_110.ukdb" in tar.getnames()
+    assert not list(tmp_path.glob("miopen-cache.tar.*"))  # no half-written tarball left
+    assert not Path(f"/tmp/{USER}-miopen-cache-{job.job_id}").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Aurora (PBS): syntax, and the rank logic with the variables PALS's mpiexec gives each rank
+# ---------------------------------------------------------------------------------------------
+
+# Stands in for PALS's mpiexec: records its command line and environment, then starts each rank
+# of the payload as `PAYLOAD --print-env` with the variables PALS sets for that rank.
+FAKE_MPIEXEC = r"""#!/bin/bash
+set -euo pipefail
+log=$FAKE_MPI_LOG
+printf '%s\n' "$@" >"$log/argv"
+printf '%s\n' "${PYTHONPATH:-}" >"$log/pythonpath"
+n="" ppn=""
+while [[ $1 == -* ]]; do
+  case $1 in
+    -n | --np) n=$2; shift 2 ;;
+    --ppn | -ppn) ppn=$2; shift 2 ;;
+    --genv | --env) shift 2 ;;
+    *) shift ;;
+  esac
+done
+for ((rank = 0; rank < n; rank++)); do
+  PALS_RANKID=$rank PALS_LOCAL_RANKID=$((rank % ppn)) PALS_NODEID=$((rank / ppn)) \
+    PALS_LOCAL_SIZE=$ppn PMI_RANK=$rank PMI_SIZE=$n PMI_LOCAL_RANK=$((rank % ppn)) \
+    PMI_LOCAL_SIZE=$ppn "$1" --print-env >"$log/rank$rank.env"
+done
+"""
+LOGGER = '#!/bin/bash\nprintf "%s\\n" "${0##*/} $*" >>"$FAKE_MPI_LOG/tools"\n'
+
+
+@pytest.mark.parametrize("path", AURORA, ids=ids)
+def test_pbs_template_parses_and_has_the_aurora_header(path: Path):
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    text = path.read_text()
+    assert re.search(r"^#PBS -l select=\d+$", text, re.M)
+    assert re.search(r"^#PBS -A \S+$", text, re.M)
+    assert f': "${{CPU_BIND_LIST:={SEED_AURORA_CPU_LIST}}}"' in text
+    assert '--cpu-bind="list:$CPU_BIND_LIST"' in text
+    assert "bash -c" not in text and "eval " not in text
+
+
+def run_pbs(path: Path, tmp_path: Path, nodes: list[str], **extra: str):
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, body in (("mpiexec", FAKE_MPIEXEC), ("module", LOGGER),
+                       ("launch_copper.sh", LOGGER)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("".join(f"{node}\n" for node in nodes))
+    env = {
+        "PATH": os.pathsep.join([str(bin_dir), str(VENV_BIN), "/usr/bin", "/bin"]),
+        "HOME": str(tmp_path), "USER": "alice", "FAKE_MPI_LOG": str(log),
+        "PBS_O_WORKDIR": str(REPO), "PBS_JOBID": "4242.aurora-pbs-0001.hostmgmt.cm.aurora",
+        "PBS_NODEFILE": str(nodefile), "XSCALE_CACHE_ROOT": str(tmp_path), **extra,
+    }
+    proc = subprocess.run(["bash", str(path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return log
+
+
+@pytest.mark.parametrize("path", AURORA, ids=ids)
+def test_pbs_ranks_get_their_place_from_pals(path: Path, tmp_path: Path):
+    nodes = ["x4102c5s2b0n0.hostmgmt2102.cm.aurora.alcf.anl.gov", "x4102c5s3b0n0"]
+    log = run_pbs(path, tmp_path, nodes, LUS_CONDA_PATH="/lus/flare/projects/p/pkgs")
+    argv = (log / "argv").read_text().splitlines()
+    # 2 nodes x 12 tiles, the seed's one-core-per-tile list, the environment to every rank.
+    assert argv[:6] == ["-n", "24", "--ppn", "12", f"--cpu-bind=list:{SEED_AURORA_CPU_LIST}",
+                        "--genvall"]
+    payload = argv[6:]
+    assert payload[:3] == [str(REPO / "runscripts" / "run.sh"), "python", "-u"]
+    assert payload[3] == str(REPO / "python" / "mnist_ddp.py")
+    ranks = [env_lines((log / f"rank{rank}.env").read_text()) for rank in range(24)]
+    port = str(10000 + 16 * 4242 % 22768)
+    for rank, env in enumerate(ranks):
+        assert env["XSCALE_LAUNCHER"] == "pbs"
+        assert (env["RANK"], env["WORLD_SIZE"]) == (str(rank), "24")
+        assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(rank % 12), "12")
+        assert (env["NODE_RANK"], env["NNODES"]) == (str(rank // 12), "2")
+        # MASTER_ADDR: the first line of PBS_NODEFILE, set by the job script for every rank.
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (nodes[0], port)
+        assert env["XSCALE_SITE"] == "aurora"
+        assert any(key.startswith("CCL_") for key in env), "the aurora site set no oneCCL value"
+    # Copper: the frameworks module, then copper, then packages imported from Copper's mirror.
+    tools = (log / "tools").read_text().splitlines()
+    assert tools == ["module load frameworks", "module load copper", "launch_copper.sh "]
+    pythonpath = (log / "pythonpath").read_text().strip()
+    assert pythonpath.split(":")[0] == "/tmp/alice/copper/lus/flare/projects/p/pkgs"
+
+
+@pytest.mark.parametrize("path", AURORA, ids=ids)
+def test_pbs_without_a_user_environment_skips_copper(path: Path, tmp_path: Path):
+    log = run_pbs(path, tmp_path, ["x1", "x2", "x3"], RANKS_PER_NODE="2")
+    argv = (log / "argv").read_text().splitlines()
+    assert argv[:4] == ["-n", "6", "--ppn", "2"]
+    assert (log / "tools").read_text().splitlines() == ["module load frameworks"]
+    assert (log / "pythonpath").read_text().strip() == ""
+    last = env_lines((log / "rank5.env").read_text())
+    assert (last["RANK"], last["LOCAL_RANK"], last["NODE_RANK"]) == ("5", "1", "2")
+
