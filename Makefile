@@ -10,12 +10,14 @@ BUILD   := build
 SHELL_SOURCES = $(shell git ls-files 'runscripts/*' 'jobs/*' 'containers/*' 'tests/*.sh' 'tests/**/*.sh' 'tests/shim/*' '.ci/run' | \
                   while read -r f; do head -c 100 "$$f" | grep -qE '^(\#!.*(ba)?sh|\# shellcheck shell=bash)' && echo "$$f"; done)
 
-.PHONY: help setup system-packages venv test lint unit demo bench cluster-up cluster-down clean
+.PHONY: help setup system-packages venv test lint unit demo bench sif cluster-up cluster-down clean
 
 help:
 	@echo "make demo          set up, start the virtual cluster, train MNIST on 2 nodes x 2 ranks"
 	@echo "make test          set up, lint, unit tests, end-to-end tests on the virtual cluster"
-	@echo "make setup | lint | bench | cluster-up | cluster-down | clean"
+	@echo "make bench         run.sh and get-master overheads, trainer throughput on CPU"
+	@echo "make sif           build the container image (needs singularity or apptainer)"
+	@echo "make setup | lint | unit | cluster-up | cluster-down | clean"
 
 setup: system-packages venv
 
@@ -53,8 +55,13 @@ cluster-down:
 demo: setup cluster-up
 	@bash jobs/local/demo.sh
 
-bench: setup cluster-up
+bench: setup
 	@bash tests/bench/run-all.sh
+
+# Not part of setup: image builds need Singularity/Apptainer (a LUMI login node); build.sh says so
+# in one line when neither is there.
+sif:
+	@bash containers/build.sh
 
 clean:
 	rm -rf $(BUILD) .pytest_cache .ruff_cache

@@ -36,7 +36,8 @@ Exported (each kept if already set):
                       directory of another user is refused). XSCALE_CACHE_ROOT replaces /tmp.
   TORCH_EXTENSIONS_DIR, TRITON_CACHE_DIR   inside XSCALE_CACHE_DIR (JIT builds off Lustre)
   OMP_NUM_THREADS     CPUs in this rank's affinity mask (what --cpu-bind gave it)
-  TORCH_NCCL_ASYNC_ERROR_HANDLING=1, XSCALE_TIMEOUT_S=600   a dead rank fails the job, not hangs it
+  TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (and NCCL_ASYNC_ERROR_HANDLING for torch < 2.2),
+  XSCALE_TIMEOUT_S=600   a dead rank fails the job instead of hanging it (NCCL and RCCL)
   XSCALE_SITE, XSCALE_LAUNCHER   what was detected
   plus the site profile's variables (runscripts/sites/SITE.sh; see its README).
 

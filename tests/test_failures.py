@@ -1,4 +1,4 @@
-"""Failure handling on the virtual cluster: dead ranks, time limits, caches, shared nodes, bad input.
+"""Failure handling on the virtual cluster: dead ranks, time limits, caches, shared nodes, input.
 
 Each test provokes the failure for real (kill -9, a Slurm signal, a planted directory, a second
 job on the node) and checks what a user would see.
@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import rank_records
+from tests.fixtures.mnist_idx import write_mnist
+from tests.helpers import rank_records, tagged_records
 
 THROWAWAY_USER = "xscale-other"
 
@@ -26,6 +30,225 @@ def job_script(tmp_path: Path, name: str, body: str) -> Path:
     script = tmp_path / name
     script.write_text("#!/bin/bash\nset -euo pipefail\n" + textwrap.dedent(body))
     return script
+
+
+MNIST_JOB = REPO / "jobs" / "local" / "mnist.sbatch"
+FAIL_FAST_BOUND_S = 30  # the issue's bound: a dead rank ends the whole job within this
+
+
+@pytest.fixture(scope="module")
+def mnist_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_mnist(tmp_path_factory.mktemp("mnist"), train=2048, test=512)
+
+
+def job_processes(job_id: str) -> dict[int, dict[str, str]]:
+    """pid -> environment of every live process started for the job (Slurm puts SLURM_JOB_ID in
+    each task's environment, and run.sh's exec keeps it)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes()
+        except OSError:  # gone already, or a kernel thread
+            continue
+        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0")
+                   if "=" in item)
+        if env.get("SLURM_JOB_ID") == job_id:
+            found[int(entry.name)] = env
+    return found
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    """Poll a real condition (bounded): the tests never sleep a fixed time to synchronise."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.2)
+
+
+def rank_pid(job_id: str, rank: int) -> int:
+    """The trainer process of one rank (the python that run.sh exec'd, with RANK set)."""
+    for pid, env in job_processes(job_id).items():
+        if env.get("RANK") == str(rank):
+            return pid
+    raise AssertionError(f"no process with RANK={rank} in job {job_id}")
+
+
+# --- fail fast -----------------------------------------------------------------------------------
+
+def start_endless_training(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[str, Path]:
+    """Submit jobs/local/mnist.sbatch with more steps than it will ever reach; return once it is
+    training (its first checkpoint exists), with the job id and its output file."""
+    out_dir, output = tmp_path / "out", tmp_path / "job.out"
+    env = {"DATA": str(data), "OUTPUT_DIR": str(out_dir), "MAX_STEPS": "1000000",
+           "EPOCHS": "100000", "CHECKPOINT_EVERY": "4", "OMP_NUM_THREADS": "1", **env}
+    job_id = cluster.submit(MNIST_JOB, env=env, output=output, sbatch_options=(f"--chdir={REPO}",))
+    wait_for(lambda: (out_dir / "ckpt-000004.pt").exists(), 240, "training to be under way")
+    return job_id, output
+
+
+def time_to_end(cluster, job_id: str, since: float) -> tuple[str, float]:
+    """Wait (at most the fail-fast bound) until the job has ended and every one of its processes
+    is gone; the final state and the seconds it took."""
+    state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, FAIL_FAST_BOUND_S)
+    left = FAIL_FAST_BOUND_S - (time.monotonic() - since)
+    wait_for(lambda: not job_processes(job_id), max(left, 0), "the job's processes to go")
+    return state, time.monotonic() - since
+
+
+def test_a_killed_rank_ends_the_whole_job_fast(cluster, mnist_data, tmp_path):
+    """kill -9 of rank 3 (on nid002) mid-training: srun --kill-on-bad-exit=1 ends the other three
+    at once instead of leaving them in an all-reduce until the collective timeout."""
+    job_id, output = start_endless_training(cluster, mnist_data, tmp_path)
+    try:
+        victim = rank_pid(job_id, 3)
+        assert job_processes(job_id)[victim]["SLURMD_NODENAME"] == "nid002"
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        state, took = time_to_end(cluster, job_id, killed_at)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    print(f"time to fail after kill -9 of rank 3: {took:.1f} s")
+    assert state == "FAILED"
+    # srun names the dead task (the shim, like singularity, exits 128+9 for a SIGKILLed command).
+    assert re.search(r"srun: error: nid002: task 3: (Killed|Exited with exit code 137)",
+                     output.read_text())
+
+
+def test_a_hung_rank_fails_the_job_after_the_collective_timeout(cluster, mnist_data, tmp_path):
+    """A rank that stops responding (SIGSTOP: a stuck GPU, a node swapping) is not dead, so only
+    XSCALE_TIMEOUT_S can end the wait of the others; then --kill-on-bad-exit ends the rest."""
+    timeout_s = 8
+    job_id, output = start_endless_training(cluster, mnist_data, tmp_path,
+                                            XSCALE_TIMEOUT_S=str(timeout_s))
+    try:
+        stopped_at = time.monotonic()
+        os.kill(rank_pid(job_id, 3), signal.SIGSTOP)
+        state, took = time_to_end(cluster, job_id, stopped_at)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    print(f"time to fail after rank 3 hung, XSCALE_TIMEOUT_S={timeout_s}: {took:.1f} s")
+    assert state == "FAILED"
+    # gloo's words (NCCL's watchdog says "collective operation timeout" instead).
+    assert f"Timed out waiting {timeout_s * 1000}ms" in output.read_text()
+
+
+# --- time limit: signal, checkpoint, requeue, resume ---------------------------------------------
+
+def job_fields(job_id: str) -> dict[str, str]:
+    line = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                          text=True, timeout=30, check=True).stdout
+    return dict(token.split("=", 1) for token in line.split() if "=" in token)
+
+
+def seconds(duration: str) -> int:
+    """Slurm's [D-]HH:MM:SS as seconds."""
+    days, _, clock = duration.rpartition("-")
+    hours, minutes, secs = (int(part) for part in clock.split(":"))
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + secs
+
+
+def bring_time_limit_near(job_id: str, warn_s: int) -> None:
+    """Shorten the running job's limit so that Slurm's own time-limit check sends the --signal
+    warning at its next pass. slurmctld checks every 30 s and signals once at most warn_s + 30 s
+    remain; the limit is in whole minutes, so this leaves between warn_s - 30 and warn_s + 30
+    seconds to run, and at least warn_s - 60 after the warning."""
+    elapsed = seconds(job_fields(job_id)["RunTime"])
+    minutes = (elapsed + warn_s + 30) // 60
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"],
+                   check=True, timeout=30)
+
+
+def test_time_limit_stops_saves_requeues_and_resumes(cluster, mnist_data, tmp_path):
+    """The whole path with Slurm's real --signal: USR1 to the batch shell, forwarded to the ranks,
+    a checkpoint at the step they stop at, `scontrol requeue`, and a second run that resumes
+    there and finishes the job's steps."""
+    out_dir, output = tmp_path / "out", tmp_path / "job.out"
+    total_steps, every, warn_s = 60, 10, 100
+    env = {"DATA": str(mnist_data), "OUTPUT_DIR": str(out_dir), "MAX_STEPS": str(total_steps),
+           "EPOCHS": "100000", "CHECKPOINT_EVERY": str(every), "OMP_NUM_THREADS": "1"}
+    # The template warns 60 s ahead; 100 leaves room for slurmctld's 30 s checking period below.
+    job_id = cluster.submit(MNIST_JOB, env=env, output=output,
+                            sbatch_options=(f"--chdir={REPO}", f"--signal=B:USR1@{warn_s}"))
+    try:
+        wait_for(lambda: (out_dir / f"ckpt-{every:06d}.pt").exists(), 240,
+                 "the first checkpoint")
+        # Hold the ranks mid-training while the warning is on its way (up to 30 s): left running,
+        # they could finish all their steps before it arrives on a fast machine.
+        ranks = [rank_pid(job_id, rank) for rank in range(4)]
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        bring_time_limit_near(job_id, warn_s)
+        wait_for(lambda: "SIGUSR1 received" in output.read_text(), 90, "Slurm's USR1 warning")
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: job_fields(job_id)["Restarts"] == "1"
+                 and job_fields(job_id)["JobState"] == "PENDING", 120, "the requeue")
+        # A requeued job waits out a begin time set by Slurm; start it now, with time to finish.
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now",
+                        "TimeLimit=10"], check=True, timeout=30)
+        state = cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 300)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    assert state == "COMPLETED", text[-3000:]
+    assert "requeueing job" in text
+    first, second = tagged_records(text, "XSCALE_SUMMARY")
+    assert (first["stopped_early"], first["signal"]) == (True, "SIGUSR1")
+    assert every <= first["steps"] < total_steps
+    # The stop saved at the step it happened: nothing is redone (the issue allows one interval).
+    assert second["start_step"] == first["steps"]
+    assert (second["steps"], second["stopped_early"]) == (total_steps, False)
+    assert second["world_size"] == 4
+    print(f"stopped at step {first['steps']}, resumed there, finished at {second['steps']}")
+
+
+# --- atomic checkpoints ----------------------------------------------------------------------
+
+# Saves step 10, then starts saving step 20 with a writer that stops halfway (as a save to a slow
+# Lustre OST does when the time limit's KILL arrives) and says so on stdout.
+HALTED_SAVE = """
+import io, sys, torch
+from xscale import checkpoint
+
+out = sys.argv[1]
+checkpoint.save(out, 10, {"step": 10, "weights": torch.full((4096,), 10.0)})
+
+def halts_halfway(state, handle):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    handle.write(data[: len(data) // 2])
+    handle.flush()
+    print("halfway", flush=True)
+    sys.stdin.read()  # blocks until the test kills this process
+    handle.write(data[len(data) // 2:])
+
+state = {"step": 20, "weights": torch.full((4096,), 20.0)}
+checkpoint.atomic_save(state, checkpoint.checkpoint_path(out, 20), writer=halts_halfway)
+"""
+
+
+def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
+    from xscale import checkpoint  # the trainers' own loader, as a resumed job runs it
+
+    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), "-c", HALTED_SAVE,
+                             str(tmp_path)], env={**os.environ, "PYTHONPATH": str(REPO / "python")},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "halfway"
+        half_written = list(tmp_path.glob(".ckpt-*.tmp"))
+        assert len(half_written) == 1 and half_written[0].stat().st_size > 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path)] == [10]
+    state = checkpoint.load_latest(tmp_path)
+    assert state["step"] == 10 and bool((state["weights"] == 10.0).all())
+    checkpoint.save(tmp_path, 30, {"step": 30})  # the next save clears the leftover
+    assert not list(tmp_path.glob(".ckpt-*.tmp"))
 
 
 # --- two jobs sharing a node -------------------------------------------------------------------
@@ -119,3 +342,88 @@ def test_created_cache_is_0700(tmp_path):
     assert proc.returncode == 0, proc.stderr
     cache = tmp_path / "xscale-root-777.3-nid001"
     assert cache.stat().st_mode & 0o7777 == 0o700
+
+
+# --- bad input: exit 2, one line, nothing run -------------------------------------------------
+
+SLURM_RANK0 = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+               "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+               "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "1(x2)"}
+NO_SUCH = "/nonexistent/xscale-data"
+
+# (case, entrypoint, environment, command after the entrypoint, words the one line must hold).
+# "MARKER" in a command is replaced by a file that must not exist afterwards: proof that nothing
+# was exec'd (run.sh cases) or that the trainer stopped before training (trainer cases).
+BAD_INPUT = [
+    ("node list unbalanced", "run.sh", {**SLURM_RANK0, "SLURM_JOB_NODELIST": "nid[001-002"},
+     ["touch", "MARKER"], ["nid[001-002"]),
+    ("node list descending", "run.sh", {**SLURM_RANK0, "SLURM_JOB_NODELIST": "nid[009-002]"},
+     ["touch", "MARKER"], ["nid[009-002]"]),
+    ("node list empty item", "run.sh", {**SLURM_RANK0, "SLURM_JOB_NODELIST": "nid001,,nid002"},
+     ["touch", "MARKER"], ["nid001,,nid002"]),
+    ("get-master empty brackets", "get-master", {}, ["nid[]"], ["nid[]"]),
+    ("PROFILE_RANKS letters", "run-profile.sh", {"PROFILE_RANKS": "a-3"},
+     ["touch", "MARKER"], ["PROFILE_RANKS", "a-3"]),
+    ("PROFILE_RANKS backwards", "run-profile.sh", {"PROFILE_RANKS": "5-2"},
+     ["touch", "MARKER"], ["PROFILE_RANKS", "5-2"]),
+    ("PROFILE_RANKS empty item", "run-profile.sh", {"PROFILE_RANKS": "1,,2"},
+     ["touch", "MARKER"], ["PROFILE_RANKS", "1,,2"]),
+    ("rank not a number", "run.sh", {**SLURM_RANK0, "SLURM_PROCID": "zero",
+                                     "SLURM_JOB_NODELIST": "nid[001-002]"},
+     ["touch", "MARKER"], ["SLURM_PROCID", "zero"]),
+    ("world size not a number", "run.sh", {"OMPI_COMM_WORLD_RANK": "0",
+                                           "OMPI_COMM_WORLD_SIZE": "2x"},
+     ["touch", "MARKER"], ["OMPI_COMM_WORLD_SIZE", "2x"]),
+    ("log dir cannot be made", "run.sh", {"XSCALE_LOG_DIR": "/proc/xscale-logs"},
+     ["touch", "MARKER"], ["XSCALE_LOG_DIR", "/proc/xscale-logs"]),
+    ("cache root cannot be made", "run.sh", {"XSCALE_CACHE_ROOT": "/proc/xscale"},
+     ["touch", "MARKER"], ["cache directory", "/proc/xscale"]),
+    ("mnist data missing", "run.sh", {},
+     ["python", "python/mnist_ddp.py", "--data", NO_SUCH, "--output-dir", "MARKER"], [NO_SUCH]),
+    ("imagenet data missing", "run.sh", {},
+     ["python", "python/imagenet.py", "--output-dir", "MARKER", NO_SUCH], [NO_SUCH]),
+    ("gpt-neo model missing", "run.sh", {},
+     ["python", "python/gpt_neo_imdb.py", "--pretrained-model", NO_SUCH,
+      "--output-path", "MARKER"], [NO_SUCH]),
+]
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], words: list[str]) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    # run.sh's rank-0 announcement precedes the trainer's own line when the trainer ran.
+    lines = [line for line in proc.stderr.strip().splitlines()
+             if not line.startswith("xscale: launcher=")]
+    assert len(lines) == 1, proc.stderr
+    assert "error" in lines[0] and "Traceback" not in proc.stderr, lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("entrypoint, env, command, words",
+                         [case[1:] for case in BAD_INPUT], ids=[case[0] for case in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, entrypoint, env, command, words):
+    marker = tmp_path / "marker"
+    argv = [str(REPO / "runscripts" / entrypoint)]
+    argv += [str(marker) if word == "MARKER" else word for word in command]
+    base = {"PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", "USER": "root",
+            "HOME": str(tmp_path), "XSCALE_SITE": "generic", "XSCALE_CACHE_ROOT": str(tmp_path),
+            "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, env={**base, **env}, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert_one_line_error(proc, words)
+    assert not marker.exists()
+
+
+def test_unwritable_log_dir_is_refused(throwaway_user, world_writable_root):
+    """Root may write anywhere, so the user who cannot write is a real other user."""
+    log_dir = world_writable_root / "logs"
+    log_dir.mkdir(mode=0o755)  # root's
+    marker = world_writable_root / "ran"
+    proc = subprocess.run(
+        ["runuser", "-u", throwaway_user, "--", str(REPO / "runscripts" / "run.sh"),
+         "touch", str(marker)],
+        env={"PATH": os.environ["PATH"], "XSCALE_SITE": "generic", "XSCALE_LOG_DIR": str(log_dir),
+             "XSCALE_CACHE_ROOT": str(world_writable_root)},
+        cwd=world_writable_root, capture_output=True, text=True, timeout=30)
+    assert_one_line_error(proc, ["XSCALE_LOG_DIR", str(log_dir), "not writable"])
+    assert not marker.exists()

@@ -31,7 +31,9 @@ SEED_AURORA_CPU_LIST = "4:9:14:19:20:25:56:61:66:71:74:79"
 USER = pwd.getpwuid(os.getuid()).pw_name
 MAX_STEPS = 3
 # Each real run is bounded twice: by the job's own time limit, and by how long we wait for it.
-JOB_TIME = "--time=00:05:00"
+# Longer than the templates' --signal=B:USR1@300 warning plus Slurm's 30 s checking period: a
+# shorter limit gets the warning as the job starts (see runscripts/lib/time-limit.sh).
+JOB_TIME = "--time=00:10:00"
 WAIT_S = 300
 
 
@@ -57,10 +59,13 @@ def test_there_are_the_lumi_templates_the_scenarios_need():
     assert AURORA
 
 
+TIME_LIMIT_LIB = "runscripts/lib/time-limit.sh"  # the templates source it
+
+
 def test_every_template_is_shellcheck_clean():
     proc = subprocess.run(
-        ["shellcheck", "-s", "bash", *map(str, LUMI + LOCAL + AURORA)],
-        capture_output=True, text=True, timeout=120, check=False,
+        ["shellcheck", "-s", "bash", *map(str, LUMI + LOCAL + AURORA), TIME_LIMIT_LIB],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stdout
 
@@ -80,7 +85,8 @@ def sbatch_option(text: str, name: str) -> str | None:
 def srun_commands(text: str) -> list[str]:
     """Every srun command, its continuation lines joined."""
     joined = re.sub(r"\\\n\s*", " ", text)
-    return [line.strip() for line in joined.splitlines() if line.strip().startswith("srun ")]
+    lines = (line.strip().removeprefix("requeueable_step ") for line in joined.splitlines())
+    return [line for line in lines if line.startswith("srun ")]
 
 
 @pytest.mark.parametrize("path", LUMI, ids=ids)
@@ -118,7 +124,18 @@ def test_lumi_template_shape(path: Path):
             binds.split(",")
         )
     if path.name != "smoke.sbatch":  # a one-minute check has no time limit to outlive
-        assert "scontrol requeue" in text  # the marked place for the time-limit issue
+        assert_stops_and_requeues_at_the_time_limit(text, training)
+
+
+def assert_stops_and_requeues_at_the_time_limit(text: str, training: list[str]) -> None:
+    """Warned before the limit, requeueable, one output file across runs, and the training step
+    run by runscripts/lib/time-limit.sh (tested for real with jobs/local/mnist.sbatch)."""
+    assert re.fullmatch(r"B:USR1@\d+", sbatch_option(text, "signal") or "")
+    assert sbatch_option(text, "requeue") == ""
+    assert sbatch_option(text, "open-mode") == "append"
+    assert 'source "$XSCALE_ROOT/runscripts/lib/time-limit.sh"' in text
+    joined = re.sub(r"\\\n\s*", " ", text)
+    assert all(f"requeueable_step {step}" in joined for step in training)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -380,8 +380,10 @@ xs_relative_hip_devices() {
 xs_failure_defaults() {
   # A rank that dies must not leave the others blocked in a collective forever: NCCL/RCCL's
   # watchdog then aborts the communicator and the process, and Slurm's --kill-on-bad-exit ends
-  # the step.
+  # the step. ROCm's torch drives RCCL through the same ProcessGroupNCCL, so the same variable
+  # serves both; torch before 2.2 (older LUMI images) reads it without the TORCH_ prefix.
   xs_default TORCH_NCCL_ASYNC_ERROR_HANDLING 1
+  xs_default NCCL_ASYNC_ERROR_HANDLING "$TORCH_NCCL_ASYNC_ERROR_HANDLING"
   xs_default XSCALE_TIMEOUT_S 600
 }
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bats
+# runscripts/lib/time-limit.sh's decisions, with `scontrol` replaced by a recorder. The real
+# signal -> checkpoint -> requeue -> resume path runs on the virtual cluster
+# (tests/test_failures.py::test_time_limit_stops_saves_requeues_and_resumes).
+
+setup() {
+  REPO=$(cd "$BATS_TEST_DIRNAME/../.." && pwd -P)
+  WORK=$(mktemp -d)
+  mkdir "$WORK/bin"
+  printf '#!/bin/bash\necho "$*" >>"%s/scontrol.calls"\n' "$WORK" >"$WORK/bin/scontrol"
+  chmod +x "$WORK/bin/scontrol"
+  export PATH=$WORK/bin:$PATH SLURM_JOB_ID=42
+}
+
+teardown() {
+  rm -rf "$WORK"
+}
+
+# A batch script whose step asks for the time-limit warning itself: it sends USR1 to the batch
+# shell (its parent), then exits 0 once the shell has forwarded the signal back to it.
+warned_job() {
+  cat >"$WORK/job.sh" <<JOB
+set -euo pipefail  # as in the templates
+source "$REPO/runscripts/lib/time-limit.sh"
+requeueable_step bash -c 'trap "exit \${STEP_STATUS:-0}" USR1; kill -USR1 \$PPID; sleep 60 & wait'
+echo "after the step"
+JOB
+  run bash "$WORK/job.sh"
+}
+
+@test "the warning reaches the step, and a clean stop requeues the job after the script's end" {
+  warned_job
+  [ "$status" -eq 0 ]
+  [[ $output == *"SIGUSR1 received"* ]]
+  [[ $output == *"after the step"*"requeueing job 42"* ]]
+  [ "$(cat "$WORK/scontrol.calls")" = "requeue 42" ]
+}
+
+@test "a step that fails after the warning is not requeued, and its status is the script's" {
+  STEP_STATUS=3 warned_job
+  [ "$status" -eq 3 ]
+  [ ! -e "$WORK/scontrol.calls" ]
+}
+
+@test "a step that ends without a warning is not requeued" {
+  run bash -c "source '$REPO/runscripts/lib/time-limit.sh'; requeueable_step true"
+  [ "$status" -eq 0 ]
+  [ ! -e "$WORK/scontrol.calls" ]
+}
+
+@test "requeueing stops after XSCALE_MAX_REQUEUES runs" {
+  SLURM_RESTART_COUNT=3 XSCALE_MAX_REQUEUES=3 warned_job
+  [ "$status" -eq 0 ]
+  [[ $output == *"not requeueing: job 42 was requeued 3 times already"* ]]
+  [ ! -e "$WORK/scontrol.calls" ]
+}
+
+@test "a malformed XSCALE_MAX_REQUEUES stops before the step runs" {
+  XSCALE_MAX_REQUEUES='1+x' run bash -c \
+    "source '$REPO/runscripts/lib/time-limit.sh'; requeueable_step touch '$WORK/ran'"
+  [ "$status" -eq 2 ]
+  [ "$output" = "xscale: error: XSCALE_MAX_REQUEUES='1+x' is not a whole number" ]
+  [ ! -e "$WORK/ran" ]
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make bench`: every benchmark in tests/bench/, one after the other, each under a heading.
+# Figures only: nothing here passes or fails on a time (tests never assert wall-clock times).
+set -euo pipefail
+
+BENCH_DIR=$(cd "${BASH_SOURCE[0]%/*}" && pwd -P)
+# get-master --all runs python3 from PATH; a pyenv or conda shim in front of the system's would be
+# timed instead of get-master itself (login nodes and images call /usr/bin/python3).
+export PATH=/usr/bin:$PATH
+
+run() {
+  printf '\n== %s\n' "$1"
+  bash "$BENCH_DIR/$1"
+}
+
+run run_sh.sh         # what run.sh adds to each rank's start
+run get_master.sh     # first host and --all on a 10,000-node list
+run trainers_cv.sh    # mnist_ddp, imagenet, imagenet_deepspeed: samples/s on CPU
+run gpt_neo.sh        # gpt_neo_imdb: tokens/s on CPU
