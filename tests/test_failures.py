@@ -185,8 +185,10 @@ def test_time_limit_stops_saves_requeues_and_resumes(cluster, mnist_data, tmp_pa
             os.kill(pid, signal.SIGCONT)
         wait_for(lambda: job_fields(job_id)["Restarts"] == "1"
                  and job_fields(job_id)["JobState"] == "PENDING", 120, "the requeue")
-        # A requeued job waits out a begin time set by Slurm; start it now, with time to finish.
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now",
+        # Slurm holds a requeued job back (BeginTime) because a node refuses to launch a job id
+        # again within the second its previous run's credential was revoked ("Job credential
+        # revoked"). Two seconds on is enough, rather than Slurm's minutes; and time to finish.
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2",
                         "TimeLimit=10"], check=True, timeout=30)
         state = cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 300)
     finally:
