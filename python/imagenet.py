@@ -145,24 +145,12 @@ def train(args: argparse.Namespace, ctx: DistContext, started: float) -> int:
         print(signals.stop_message(PROG, step, saved), flush=True)
     if not stopped and val_loader is not None:
         results = metrics.evaluate_classifier(model, val_loader, ctx.device, amp())
-    rates = meter.reduced()
-
-    summary.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=summary.node_name(),
-                        steps=step, param_digest=summary.param_digest(model))
-    if ctx.is_main:
-        summary.emit(
-            trainer=TRAINER, world_size=ctx.world_size, nodes=ctx.nnodes, steps=step,
-            start_step=start_step, epoch=epoch, samples_per_s=rates["samples_per_s"],
-            samples_per_s_per_rank=rates["samples_per_s_per_rank"],
-            loss_first=log.loss_first, loss_last=log.loss_last,
-            seconds=time.perf_counter() - started, train_seconds=meter.local().seconds,
-            arch=args.arch, image_size=args.image_size, amp=args.amp,
-            batch_size=batch_size, global_batch_size=batch_size * ctx.world_size,
-            device=ctx.device.type, backend=ctx.backend, stopped_early=stopped,
-            signal=signals.signal_name(signals.received()),
-            accuracy=results.get("accuracy"), val_loss=results.get("loss"),
-            val_samples=results.get("samples"),
-        )
+    summary.report(ctx, model, trainer=TRAINER, step=step, started=started, log=log, meter=meter,
+                   stopped=stopped, epoch=epoch, arch=args.arch, image_size=args.image_size,
+                   amp=args.amp, batch_size=batch_size,
+                   global_batch_size=batch_size * ctx.world_size,
+                   accuracy=results.get("accuracy"), val_loss=results.get("loss"),
+                   val_samples=results.get("samples"))
     return 0
 
 

@@ -138,25 +138,13 @@ def train(args: argparse.Namespace, ctx: DistContext, config: dict, started: flo
     results = {}
     if not stopped and val_set is not None:
         results = evaluate(engine, val_set, ctx, batch_size, dtype)
-    rates = meter.reduced()
-
-    summary.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=summary.node_name(),
-                        steps=step, param_digest=summary.param_digest(engine))
-    if ctx.is_main:
-        summary.emit(
-            trainer=TRAINER, world_size=ctx.world_size, nodes=ctx.nnodes, steps=step,
-            start_step=start_step, epoch=epoch, samples_per_s=rates["samples_per_s"],
-            samples_per_s_per_rank=rates["samples_per_s_per_rank"],
-            loss_first=log.loss_first, loss_last=log.loss_last,
-            seconds=time.perf_counter() - started, train_seconds=meter.local().seconds,
-            arch=args.arch, image_size=args.image_size, zero_stage=engine.zero_optimization_stage(),
-            dtype=str(dtype).removeprefix("torch."), batch_size=batch_size,
-            global_batch_size=config["train_batch_size"], device=ctx.device.type,
-            backend=ctx.backend, stopped_early=stopped,
-            signal=signals.signal_name(signals.received()),
-            accuracy=results.get("accuracy"), val_loss=results.get("loss"),
-            val_samples=results.get("samples"),
-        )
+    summary.report(ctx, engine, trainer=TRAINER, step=step, started=started, log=log,
+                   meter=meter, stopped=stopped, epoch=epoch, arch=args.arch,
+                   image_size=args.image_size, zero_stage=engine.zero_optimization_stage(),
+                   dtype=str(dtype).removeprefix("torch."), batch_size=batch_size,
+                   global_batch_size=config["train_batch_size"],
+                   accuracy=results.get("accuracy"), val_loss=results.get("loss"),
+                   val_samples=results.get("samples"))
     return 0
 
 

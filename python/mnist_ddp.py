@@ -244,21 +244,9 @@ def train(args: argparse.Namespace, ctx: DistContext, folder: Path, started: flo
         if ctx.is_main and args.modelpath:
             print(f"{PROG}: model saved as {save_model(model, args.modelpath, ctx.device)}",
                   flush=True)
-    rates = meter.reduced()
-
-    summary.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=summary.node_name(),
-                        steps=step, param_digest=summary.param_digest(model))
-    if ctx.is_main:
-        summary.emit(
-            trainer=TRAINER, world_size=ctx.world_size, nodes=ctx.nnodes, steps=step,
-            start_step=start_step, epoch=epoch, samples_per_s=rates["samples_per_s"],
-            samples_per_s_per_rank=rates["samples_per_s_per_rank"],
-            loss_first=log.loss_first, loss_last=log.loss_last,
-            seconds=time.perf_counter() - started, train_seconds=meter.local().seconds,
-            batch_size=args.batch_size, global_batch_size=args.batch_size * ctx.world_size,
-            device=ctx.device.type, backend=ctx.backend, stopped_early=stopped,
-            signal=signals.signal_name(signals.received()), **results,
-        )
+    summary.report(ctx, model, trainer=TRAINER, step=step, started=started, log=log, meter=meter,
+                   stopped=stopped, epoch=epoch, batch_size=args.batch_size,
+                   global_batch_size=args.batch_size * ctx.world_size, **results)
     return 0
 
 

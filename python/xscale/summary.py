@@ -13,10 +13,16 @@ import math
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 import torch
 from torch import nn
+
+from xscale import signals
+from xscale.dist import DistContext
+from xscale.progress import TrainLog
+from xscale.throughput import Throughput
 
 RANK_TAG = "XSCALE_RANK"
 SUMMARY_TAG = "XSCALE_SUMMARY"
@@ -75,3 +81,24 @@ def emit(**fields: Any) -> None:
     nodes, steps, start_step, samples_per_s or tokens_per_s, loss_first, loss_last, seconds."""
     sys.stderr.flush()
     print(line(SUMMARY_TAG, fields), flush=True)
+
+
+def report(ctx: DistContext, model: nn.Module, *, trainer: str, step: int, started: float,
+           log: TrainLog, meter: Throughput, stopped: bool, **fields: Any) -> None:
+    """The end of a training run, on every rank (the rates are reduced: a collective).
+
+    Every rank prints its XSCALE_RANK line; rank 0 then prints the XSCALE_SUMMARY line with what
+    every trainer reports (place, steps, rates, losses, times, why it stopped) and `fields`, the
+    trainer's own. `started` is the time.perf_counter() the run began at.
+    """
+    rates = meter.reduced()
+    rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node_name(), steps=step,
+                param_digest=param_digest(model))
+    if ctx.is_main:
+        emit(trainer=trainer, world_size=ctx.world_size, nodes=ctx.nnodes, steps=step,
+             start_step=log.start_step, samples_per_s=rates["samples_per_s"],
+             samples_per_s_per_rank=rates["samples_per_s_per_rank"],
+             loss_first=log.loss_first, loss_last=log.loss_last,
+             seconds=time.perf_counter() - started, train_seconds=meter.local().seconds,
+             device=ctx.device.type, backend=ctx.backend, stopped_early=stopped,
+             signal=signals.signal_name(signals.received()), **fields)
