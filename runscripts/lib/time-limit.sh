@@ -35,8 +35,9 @@ xs_forward_stop() {
 xs_requeue() {
   local done_runs=${SLURM_RESTART_COUNT:-0} most=${XSCALE_MAX_REQUEUES:-20}
   if ((done_runs >= most)); then
-    printf 'xscale: stopped before the time limit, not requeueing: job %s was requeued %s times already (XSCALE_MAX_REQUEUES=%s); is --time longer than the --signal warning?\n' \
-      "$SLURM_JOB_ID" "$done_runs" "$most" >&2
+    printf '%s: job %s was requeued %s times already (XSCALE_MAX_REQUEUES=%s); %s\n' \
+      'xscale: stopped before the time limit, not requeueing' "$SLURM_JOB_ID" "$done_runs" \
+      "$most" 'is --time longer than the --signal warning?' >&2
     return
   fi
   printf 'xscale: stopped before the time limit; requeueing job %s to resume\n' \
