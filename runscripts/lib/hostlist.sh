@@ -42,9 +42,10 @@ xs_hostlist_first() {
 }
 
 # Status 0 when LIST is well formed; status 1 when it may not be, and xs_hostlist_check_syntax
-# then says whether and why. Each ERE here is the union of rows of that table, and together they
-# match exactly the lists it rejects: a well-formed list pays for six regexes instead of thirteen
-# (on a fragmented 10,000-node list, 1.4 ms instead of 3.4 ms).
+# then says whether and why. Each ERE here is the union of rows of that table (the rows for '[]'
+# and a nested '[' are inside the wider rows below them), and together they match exactly the
+# lists it rejects: a well-formed list pays for six regexes instead of thirteen (on a fragmented
+# 10,000-node list, about 2 ms instead of 3.4 ms). Add a row there, add it here too.
 xs_hostlist_looks_well_formed() {
   local pattern
   for pattern in \
