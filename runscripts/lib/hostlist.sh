@@ -61,7 +61,8 @@ xs_hostlist_looks_well_formed() {
 }
 
 # First match wins: each ERE matches only malformed lists, and comes with the reason. Keep in step
-# with SYNTAX_CHECKS in hostlist.py (the tests compare the two messages). One ERE per row, not
+# with SYNTAX_CHECKS in hostlist.py (the tests compare the two messages) and with the union
+# regexes of xs_hostlist_looks_well_formed above. One ERE per row, not
 # one alternation: glibc tries an unanchored regex at every position its first characters allow,
 # so an alternation with one ^-anchored branch costs ten times the two regexes on a long list.
 xs_hostlist_check_syntax() {
