@@ -1,7 +1,8 @@
 """Shared pytest fixtures: the repository paths and the virtual Slurm cluster.
 
-Tests that cross ranks run on a real Slurm (slurmctld + two slurmd, see tests/cluster/) through
-the bubblewrap `singularity` shim, because hand-set SLURM_* variables only test our assumptions.
+Tests that cross ranks run on a real Slurm (slurmctld + four slurmd, each node in its own network,
+mount and UTS namespace; docs/TESTBED.md) through the bubblewrap `singularity` shim, because
+hand-set SLURM_* variables only test our assumptions.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ VENV_BIN = REPO / ".venv" / "bin"
 SHIM_DIR = REPO / "tests" / "shim"
 RUNSCRIPTS = REPO / "runscripts"
 IN_CI = os.environ.get("CI") == "true"
+CLUSTER_DIR = REPO / "tests" / "cluster"
+CLUSTER_STATE = Path(os.environ.get("XSCALE_CLUSTER_STATE", "/run/xscale-cluster"))
+NODES = ("nid001", "nid002", "nid003", "nid004")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Test files live in the checkout, not under /tmp: each virtual node has a /tmp of its own,
+    so files a test hands to a job must be on storage every node shares, as on a real cluster."""
+    if config.option.basetemp is None:
+        config.option.basetemp = str(REPO / "build" / "pytest-tmp")
 
 
 def tool_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -44,6 +55,21 @@ class Job:
 
 class Cluster:
     """Runs srun/sbatch against the virtual cluster from the repository root."""
+
+    nodes = NODES
+
+    @staticmethod
+    def node_tmp(node: str) -> Path:
+        """NODE's private /tmp, as the host sees it (cluster-up mounts it there)."""
+        return CLUSTER_STATE / "nodes" / node / "tmp"
+
+    @staticmethod
+    def fault(*args: str) -> str:
+        """Run tests/cluster/fault.sh (inject or undo a fault); its stdout."""
+        proc = subprocess.run(["bash", str(CLUSTER_DIR / "fault.sh"), *args],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0, f"fault.sh {' '.join(args)}: {proc.stderr}"
+        return proc.stdout
 
     def srun(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 600
@@ -133,13 +159,13 @@ def _skip_or_fail(reason: str) -> None:
 
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
-    """The virtual Slurm cluster (nid001, nid002), started if it is not running yet."""
+    """The virtual Slurm cluster (nid001-nid004), started if it is not running yet."""
     if os.geteuid() != 0:
         _skip_or_fail("it needs root (slurmd, munged); run the tests as root or in CI")
     if not shutil.which("slurmctld"):
         _skip_or_fail("slurm-wlm is not installed; run 'make setup'")
     up = subprocess.run(
-        ["bash", str(REPO / "tests" / "cluster" / "cluster-up.sh")],
+        ["bash", str(CLUSTER_DIR / "cluster-up.sh")],
         capture_output=True, text=True, timeout=180, check=False,
     )
     if up.returncode != 0:

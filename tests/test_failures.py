@@ -77,13 +77,15 @@ def rank_pid(job_id: str, rank: int) -> int:
 
 # --- fail fast -----------------------------------------------------------------------------------
 
-def start_endless_training(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[str, Path]:
+def start_endless_training(cluster, data: Path, tmp_path: Path,
+                           sbatch_options: tuple[str, ...] = (), **env: str) -> tuple[str, Path]:
     """Submit jobs/local/mnist.sbatch with more steps than it will ever reach; return once it is
     training (its first checkpoint exists), with the job id and its output file."""
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     env = {"DATA": str(data), "OUTPUT_DIR": str(out_dir), "MAX_STEPS": "1000000",
            "EPOCHS": "100000", "CHECKPOINT_EVERY": "4", "OMP_NUM_THREADS": "1", **env}
-    job_id = cluster.submit(MNIST_JOB, env=env, output=output, sbatch_options=(f"--chdir={REPO}",))
+    job_id = cluster.submit(MNIST_JOB, env=env, output=output,
+                            sbatch_options=(f"--chdir={REPO}", *sbatch_options))
     wait_for(lambda: (out_dir / "ckpt-000004.pt").exists(), 240, "training to be under way")
     return job_id, output
 
@@ -132,6 +134,39 @@ def test_a_hung_rank_fails_the_job_after_the_collective_timeout(cluster, mnist_d
     assert state == "FAILED"
     # gloo's words (NCCL's watchdog says "collective operation timeout" instead).
     assert f"Timed out waiting {timeout_s * 1000}ms" in output.read_text()
+
+
+def test_a_network_partition_fails_the_job_and_names_the_cut_off_node(cluster, mnist_data,
+                                                                      tmp_path):
+    """nid002's hsn0 goes down mid-training (a dead Slingshot link): the ranks on nid001 give up
+    after XSCALE_TIMEOUT_S, Slurm loses nid002 after SlurmdTimeout, and the run ends naming it,
+    instead of hanging until the time limit. The template asks for --requeue, so Slurm puts the
+    job back in the queue itself, as it does on a real partition after a node failure."""
+    timeout_s = 15
+    job_id, output = start_endless_training(
+        cluster, mnist_data, tmp_path, XSCALE_TIMEOUT_S=str(timeout_s),
+        sbatch_options=("--nodelist=nid[001-002]",))
+    try:
+        assert {env["SLURMD_NODENAME"] for env in job_processes(job_id).values()
+                if env.get("RANK") in ("2", "3")} == {"nid002"}
+        cut_at = time.monotonic()
+        cluster.fault("link-down", "nid002")
+        wait_for(lambda: job_fields(job_id)["JobState"] not in {"RUNNING", "COMPLETING"},
+                 timeout_s + FAIL_FAST_BOUND_S, "the run to end")
+        took = time.monotonic() - cut_at
+        fields = job_fields(job_id)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+        cluster.fault("heal", "nid002")
+    print(f"nid002's hsn0 down, XSCALE_TIMEOUT_S={timeout_s}: the run ended after {took:.1f} s "
+          f"({fields['JobState']}, restarts {fields['Restarts']})")
+    assert (fields["JobState"], fields["Restarts"]) in {("PENDING", "1"), ("NODE_FAIL", "0")}
+    text = output.read_text()
+    # The ranks left on nid001 time out waiting for their peers on nid002 ...
+    assert f"Timed out waiting {timeout_s * 1000}ms" in text
+    # ... and Slurm names the node that was cut off.
+    assert "srun: error: Node failure on nid002" in text, text[-3000:]
+    assert "DUE TO NODE FAILURE" in text
 
 
 # --- time limit: signal, checkpoint, requeue, resume ---------------------------------------------
@@ -380,6 +415,10 @@ BAD_INPUT = [
      ["touch", "MARKER"], ["XSCALE_LOG_DIR", "/proc/xscale-logs"]),
     ("cache root cannot be made", "run.sh", {"XSCALE_CACHE_ROOT": "/proc/xscale"},
      ["touch", "MARKER"], ["cache directory", "/proc/xscale"]),
+    ("gloo interface missing", "run.sh", {"GLOO_SOCKET_IFNAME": "hsn7"},
+     ["touch", "MARKER"], ["GLOO_SOCKET_IFNAME='hsn7'", "no interface 'hsn7'", "have: "]),
+    ("nccl interfaces match nothing", "run.sh", {"NCCL_SOCKET_IFNAME": "hsn,=ib0"},
+     ["touch", "MARKER"], ["NCCL_SOCKET_IFNAME='hsn,=ib0'", "matches no interface"]),
     ("mnist data missing", "run.sh", {},
      ["python", "python/mnist_ddp.py", "--data", NO_SUCH, "--output-dir", "MARKER"], [NO_SUCH]),
     ("imagenet data missing", "run.sh", {},

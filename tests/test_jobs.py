@@ -359,17 +359,18 @@ def test_lumi_imagenet_deepspeed_runs(cluster, tmp_path, imagenet_data):
     check_summary(job.output, "imagenet_deepspeed", 4)
 
 
-def test_lumi_imagenet_from_data_staged_in_tmp(cluster, tmp_path, imagenet_data):
-    # One node: the two virtual nodes share one /tmp, which on LUMI every node has to itself.
+def test_lumi_imagenet_from_data_staged_in_each_nodes_tmp(cluster, tmp_path, imagenet_data):
     _, tarball = imagenet_data
-    job = submit(cluster, lumi("imagenet-prestage.sbatch"), tmp_path, 1,
+    job = submit(cluster, lumi("imagenet-prestage.sbatch"), tmp_path, 2,
                  env=virtual_env(tmp_path, DATA_TAR=str(tarball), **IMAGENET_TINY))
-    check_summary(job.output, "imagenet", 2)
-    # The ranks read the job's own copy in node-local /tmp (the trainer names its data directory),
-    # and the copy is gone afterwards: /tmp is the node's memory on LUMI.
-    staged = Path(f"/tmp/{USER}-xscale-data-{job.job_id}")
-    assert f"{staged}/data-resnet-small" in job.output
-    assert not staged.exists()
+    check_summary(job.output, "imagenet", 4)
+    # The ranks read the job's copy in node-local /tmp (the trainer names its data directory).
+    # Each virtual node has a /tmp of its own, so the second node's ranks could only train
+    # because that node unpacked its own copy, as every LUMI node must.
+    staged = f"{USER}-xscale-data-{job.job_id}"
+    assert f"/tmp/{staged}/data-resnet-small" in job.output
+    # And every node's copy is gone afterwards: /tmp is the node's memory on LUMI.
+    assert [node for node in cluster.nodes if (cluster.node_tmp(node) / staged).exists()] == []
 
 
 def test_lumi_imagenet_restores_and_saves_the_miopen_cache(cluster, tmp_path, imagenet_data):
@@ -391,7 +392,8 @@ def test_lumi_imagenet_restores_and_saves_the_miopen_cache(cluster, tmp_path, im
     with tarfile.open(cache) as tar:
         assert "./gfx90a_110.ukdb" in tar.getnames()
     assert not list(tmp_path.glob("miopen-cache.tar.*"))  # no half-written tarball left
-    assert not Path(f"/tmp/{USER}-miopen-cache-{job.job_id}").exists()
+    assert not [node for node in cluster.nodes
+                if (cluster.node_tmp(node) / f"{USER}-miopen-cache-{job.job_id}").exists()]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ stop locally, and 4 ranks over the two virtual nodes through srun, the shim and 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -252,6 +253,9 @@ def test_imagenet_trains_from_a_tarball_staged_once_per_node(images, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+TWO_NODES = {"nid001", "nid002"}  # the first two idle nodes, where srun -N2 places the ranks
+
+
 def srun(cluster, *command: str, env: dict[str, str] | None = None):
     return cluster.srun("-N2", "-n4", "--cpu-bind=none", "singularity", "exec", IMAGE,
                         "/runscripts/run.sh", "python", *command,
@@ -267,7 +271,7 @@ def check_run(proc: subprocess.CompletedProcess[str], trainer: str, steps: int,
     assert (record["start_step"], record["steps"]) == (start_step, steps)
     ranks = rank_records(proc.stdout)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
-    assert {r["node"] for r in ranks} == {"nid001", "nid002"}
+    assert {r["node"] for r in ranks} == TWO_NODES
     assert {r["steps"] for r in ranks} == {steps}
     assert len({r["param_digest"] for r in ranks}) == 1, ranks  # replicas are identical
     return record
@@ -287,7 +291,7 @@ def test_mnist_on_two_nodes_learns_and_resumes(cluster, mnist_dir, tmp_path):
 
 def test_imagenet_on_two_nodes_with_the_seed_command_line_then_resumes(cluster, images,
                                                                         tmp_path):
-    folder, _ = images
+    folder, tarball = images
     out = tmp_path / "out"
     # Seed 000's pytorch/examples options, with run.sh filling in each rank's values.
     seed_style = ["--world-size", "$WORLD_SIZE", "--rank", "$RANK",
@@ -297,9 +301,21 @@ def test_imagenet_on_two_nodes_with_the_seed_command_line_then_resumes(cluster, 
     assert first["loss_last"] < 0.5 * first["loss_first"]
     assert first["batch_size"] == 16 and first["global_batch_size"] == 64  # 32 per node
     assert first["val_samples"] == 32
+    # The resumed run reads the tarball instead, unpacked by python/xscale/staging into the
+    # default node-local directory: once on each of the job's nodes, by its local rank 0.
     second = check_run(srun(cluster, IMAGENET, *VISION_TINY, "--max-steps", "16",
-                            "--output-dir", str(out), str(folder)), "imagenet", 16, 12)
+                            "--output-dir", str(out), "--stage-tar", str(tarball)),
+                       "imagenet", 16, 12)
     assert second["loss_first"] < first["loss_first"]
+    copies = {node: sorted(cluster.node_tmp(node).glob("*-xscale-data/data-resnet-small"))
+              for node in cluster.nodes}
+    for node, found in copies.items():
+        assert len(found) == (1 if node in TWO_NODES else 0), copies
+        if found:
+            staged_root = found[0].parent
+            assert (staged_root / ".data-resnet-small.staged").is_file()
+            assert not list(staged_root.glob("*.partial"))
+            shutil.rmtree(staged_root)
 
 
 def test_imagenet_deepspeed_on_two_nodes_learns_and_resumes(cluster, images, tmp_path):

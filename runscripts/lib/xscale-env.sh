@@ -419,6 +419,50 @@ xs_announce() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# Network interfaces
+# ---------------------------------------------------------------------------------------------
+
+# A socket interface list that names nothing on this node (a typo, hsn0 on a node without
+# Slingshot, a container that hides the host's network) surfaces only at the first collective:
+# gloo stops with "Unable to find address for" and NCCL/RCCL with "no socket interface found", on
+# every rank, without saying which node. Check here, where it costs a few file tests (sysfs lists
+# the interfaces of the network the rank runs in). Skipped where /sys/class/net is absent.
+xs_check_socket_interfaces() {
+  [[ -d /sys/class/net ]] || return 0
+  local item
+  if [[ -n ${GLOO_SOCKET_IFNAME:-} ]]; then
+    # gloo opens one device per name: every name must exist.
+    xs_split_commas "$GLOO_SOCKET_IFNAME"
+    for item in "${XS_ITEMS[@]}"; do
+      [[ -e /sys/class/net/$item ]] \
+        || xs_die "GLOO_SOCKET_IFNAME='$GLOO_SOCKET_IFNAME': no interface '$item' on $(xs_node_name) (have: $(xs_interfaces))"
+    done
+  fi
+  # NCCL reads prefixes ("hsn" matches hsn0..3; "=hsn0" one exact name) and uses every match, so
+  # one match is enough. An exclusion list ("^lo,docker") cannot name a missing interface.
+  [[ -n ${NCCL_SOCKET_IFNAME:-} && $NCCL_SOCKET_IFNAME != ^* ]] || return 0
+  local -a matches
+  xs_split_commas "$NCCL_SOCKET_IFNAME"
+  for item in "${XS_ITEMS[@]}"; do
+    if [[ $item == =* ]]; then
+      [[ -e /sys/class/net/${item#=} ]] && return 0
+    else
+      matches=(/sys/class/net/"$item"*)
+      [[ -e ${matches[0]} ]] && return 0
+    fi
+  done
+  xs_die "NCCL_SOCKET_IFNAME='$NCCL_SOCKET_IFNAME' matches no interface on $(xs_node_name) (have: $(xs_interfaces))"
+}
+
+# Only on the error path above: command substitutions fork.
+xs_node_name() { printf '%s\n' "${SLURMD_NODENAME:-${HOSTNAME:-this node}}"; }
+xs_interfaces() {
+  local -a names=(/sys/class/net/*)
+  names=("${names[@]#/sys/class/net/}")
+  printf '%s\n' "${names[*]}"
+}
+
+# ---------------------------------------------------------------------------------------------
 # The container's Python
 # ---------------------------------------------------------------------------------------------
 
@@ -585,6 +629,7 @@ xs_main() {
     exit 0
   fi
   (($#)) || xs_die "no command given (usage: $XS_PROG CMD [ARGS...]; see --help)"
+  xs_check_socket_interfaces
   xs_announce
   xs_activate_container_python
   xs_expand_args "$@"

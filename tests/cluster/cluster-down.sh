@@ -1,38 +1,87 @@
 #!/usr/bin/env bash
-# Stop the daemons that cluster-up.sh started, and only those: each one is found through the pid
-# file cluster-up.sh left in $XSCALE_CLUSTER_STATE, never by process name.
+# Undo cluster-up.sh, and only what it made: the daemons it started (found through their pid
+# files, never by name), every process still inside a node's namespace, the namespaces, veth
+# pairs and bridge, the nodes' /tmp mounts, its /etc/hosts lines and the fake GPU devices it
+# created. Safe to run when nothing is up.
 set -euo pipefail
 
-readonly STATE=${XSCALE_CLUSTER_STATE:-/run/xscale-cluster}
+readonly XSC_PROG=cluster-down
+# shellcheck source=tests/cluster/lib.sh
+source "${BASH_SOURCE[0]%/*}/lib.sh"
 readonly STOP_TIMEOUT_S=15
 
-say() { printf 'cluster-down: %s\n' "$*" >&2; }
-
-# Send TERM, then wait (bounded) for the process to go; KILL if it will not.
-stop_pidfile() {
-  local pidfile=$1 pid deadline
-  [[ -s $pidfile ]] || return 0
-  read -r pid <"$pidfile"
-  if [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    deadline=$((SECONDS + STOP_TIMEOUT_S))
+# Send TERM, then wait (bounded) for the processes to go; KILL what will not.
+stop_pids() {
+  local pid deadline
+  (( $# )) || return 0
+  kill -TERM "$@" 2>/dev/null || true
+  deadline=$((SECONDS + STOP_TIMEOUT_S))
+  for pid in "$@"; do
     while kill -0 "$pid" 2>/dev/null && (( SECONDS < deadline )); do sleep 0.1; done
     if kill -0 "$pid" 2>/dev/null; then
-      say "pid $pid ($pidfile) ignored TERM; killing"
+      xsc_say "pid $pid ignored TERM; killing"
       kill -KILL "$pid" 2>/dev/null || true
     fi
-  fi
+  done
+}
+
+stop_pidfile() {
+  local pidfile=$1 pid
+  [[ -s $pidfile ]] || { rm -f "$pidfile"; return 0; }
+  read -r pid <"$pidfile"
+  [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null && stop_pids "$pid"
   rm -f "$pidfile"
 }
 
+# Job steps and ranks a stopped slurmd leaves behind still hold the node's namespaces.
+stop_node_processes() {
+  local node=$1
+  local -a pids
+  [[ -e /run/netns/$node ]] || return 0
+  mapfile -t pids < <(ip netns pids "$node" 2>/dev/null)
+  stop_pids "${pids[@]}"
+}
+
+remove_node() {
+  local node=$1 dir
+  dir=$(xsc_node_dir "$node")
+  stop_node_processes "$node"
+  [[ -e /run/netns/$node ]] && ip netns del "$node"
+  # Deleting one end of a veth pair deletes both; the namespace's end went with it already.
+  ip link del "$(xsc_host_link "$node")" 2>/dev/null || true
+  if [[ -d $dir ]]; then
+    mountpoint -q "$dir/tmp" && umount "$dir/tmp"
+    rmdir "$dir/tmp" "$dir/host-tmp" "$dir/cgroup" "$dir" 2>/dev/null || true
+  fi
+}
+
+remove_made_devices() {
+  local device
+  [[ -s $XSC_STATE/made-devices ]] || return 0
+  while IFS= read -r device; do
+    [[ $device == /dev/fakegpu[0-9] && -c $device ]] && rm -f "$device"
+  done <"$XSC_STATE/made-devices"
+  rm -f "$XSC_STATE/made-devices"
+}
+
 main() {
-  [[ -d $STATE ]] || { say "nothing to stop ($STATE does not exist)"; exit 0; }
-  local pidfile
+  local node
+  (( EUID == 0 )) || xsc_die "the virtual cluster is root's; run cluster-down as root"
   # slurmd before slurmctld, munged last: each daemon outlives the ones that talk to it.
-  for pidfile in "$STATE"/slurmd-*.pid "$STATE/slurmctld.pid" "$STATE/munged.pid"; do
-    [[ -e $pidfile ]] && stop_pidfile "$pidfile"
+  for node in "${XSC_NODES[@]}"; do
+    stop_pidfile "$(xsc_slurmd_pidfile "$node")"
   done
-  say "stopped"
+  stop_pidfile "$XSC_STATE/slurmctld.pid"
+  stop_pidfile "$XSC_STATE/munged.pid"
+  for node in "${XSC_NODES[@]}"; do
+    remove_node "$node"
+  done
+  ip link show "$XSC_BRIDGE" >/dev/null 2>&1 && ip link del "$XSC_BRIDGE"
+  xsc_remove_hosts_lines " $XSC_HOSTS_TAG\$"
+  remove_made_devices
+  rm -f "$XSC_STATE/munged.log" "$XSC_STATE/munged.seed"
+  rmdir "$XSC_STATE/nodes" "$XSC_STATE" 2>/dev/null || true
+  xsc_say "stopped"
 }
 
 main "$@"

@@ -1,77 +1,122 @@
 #!/usr/bin/env bash
-# Start the virtual Slurm cluster the tests and `make demo` run on: munge, slurmctld and two slurmd
-# daemons (nid001, nid002) on this one machine, each node with 2 CPUs and 4 fake GPUs.
-# Idempotent: daemons already running from an earlier call are left alone. Needs root.
-# Every daemon we start leaves a pid file under $XSCALE_CLUSTER_STATE; cluster-down.sh stops
-# exactly those and nothing else.
+# Start the virtual Slurm cluster the tests and `make demo` run on: four nodes (nid001-nid004)
+# that behave like separate machines, each with 2 CPUs and 4 fake GPUs, and slurmctld + munged
+# on this host. docs/TESTBED.md explains the layout, how to add a node and how to inject faults.
+# Idempotent: what an earlier call made and still runs is left alone. Needs root.
 set -euo pipefail
 
-readonly NODES=(nid001 nid002)
-readonly STATE=${XSCALE_CLUSTER_STATE:-/run/xscale-cluster}
-readonly CONF_DIR=/etc/slurm
+readonly XSC_PROG=cluster-up
+# shellcheck source=tests/cluster/lib.sh
+source "${BASH_SOURCE[0]%/*}/lib.sh"
 readonly READY_TIMEOUT_S=${XSCALE_CLUSTER_TIMEOUT_S:-60}
-
-die() { printf 'cluster-up: error: %s\n' "$*" >&2; exit 2; }
-say() { printf 'cluster-up: %s\n' "$*" >&2; }
 
 usage() {
   cat <<'EOF'
 Usage: tests/cluster/cluster-up.sh
 
-Starts munged, slurmctld and slurmd -N nid001 / -N nid002 on this machine (root only), writes
-/etc/slurm/slurm.conf and gres.conf, adds nid001/nid002 to /etc/hosts, creates /dev/fakegpu0-3,
-and waits until sinfo shows both nodes idle. Safe to run again. Stop with cluster-down.sh.
-Environment: XSCALE_CLUSTER_STATE (pid files, default /run/xscale-cluster),
-XSCALE_CLUSTER_TIMEOUT_S (how long to wait for the nodes, default 60).
+Starts munged and slurmctld on this machine and one slurmd per virtual node (nid001-nid004),
+each in its own network namespace (interface hsn0, address 10.77.0.11-14 on bridge xsbr0 at
+10.77.0.1), mount namespace (private /tmp and /dev/shm) and UTS namespace (hostname = node
+name). Writes /etc/slurm/slurm.conf and gres.conf, adds the node names to /etc/hosts and waits
+until sinfo shows every node idle. Safe to run again; cluster-down.sh undoes all of it.
+
+Environment: XSCALE_CLUSTER_STATE (pid files, node /tmp mounts; default /run/xscale-cluster),
+XSCALE_CLUSTER_SUBNET (first three octets, default 10.77.0), XSCALE_CLUSTER_TMP_SIZE (each
+node's /tmp, default 512m), XSCALE_CLUSTER_TIMEOUT_S (wait for idle nodes, default 60).
 EOF
 }
 
-# True when the pid file names a live process (so a second cluster-up leaves it running).
-alive() {
-  local pidfile=$1 pid
-  [[ -s $pidfile ]] || return 1
-  read -r pid <"$pidfile"
-  [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null
+check_tools() {
+  (( EUID == 0 )) || xsc_die "the virtual cluster needs root (namespaces, slurmd and munged)"
+  local tool
+  for tool in ip nsenter unshare mount munged slurmctld slurmd sinfo srun scontrol; do
+    command -v "$tool" >/dev/null || xsc_die "$tool not found: run 'make setup' first"
+  done
+  unshare --net --mount --uts -- true 2>/dev/null \
+    || xsc_die "this kernel refuses network/mount/UTS namespaces, which the virtual nodes need"
 }
 
-check_tools() {
-  (( EUID == 0 )) || die "the virtual cluster needs root (slurmd and munged run as root here)"
-  local tool
-  for tool in munged slurmctld slurmd sinfo srun; do
-    command -v "$tool" >/dev/null || die "$tool not found: run 'make setup' first"
+# ---- network: one bridge on the host, one namespace per node with hsn0 on that bridge ----------
+
+make_bridge() {
+  ip link show "$XSC_BRIDGE" >/dev/null 2>&1 || ip link add "$XSC_BRIDGE" type bridge
+  ip addr replace "$XSC_BRIDGE_ADDR/24" dev "$XSC_BRIDGE"
+  ip link set "$XSC_BRIDGE" up
+}
+
+make_node_network() {
+  local node=$1 host_link addr
+  host_link=$(xsc_host_link "$node")
+  addr=$(xsc_node_addr "$node")
+  [[ -e /run/netns/$node ]] || ip netns add "$node"
+  if ! ip link show "$host_link" >/dev/null 2>&1; then
+    ip link add "$host_link" type veth peer name hsn0 netns "$node"
+  fi
+  ip link set "$host_link" master "$XSC_BRIDGE" up
+  ip -n "$node" addr replace "$addr/24" dev hsn0
+  ip -n "$node" link set hsn0 up
+  ip -n "$node" link set lo up
+}
+
+# ---- node-local storage: a tmpfs per node, mounted on the host and bound at /tmp in the node ---
+
+make_node_storage() {
+  local dir
+  dir=$(xsc_node_dir "$1")
+  mkdir -p "$dir/tmp" "$dir/host-tmp" "$dir/cgroup"
+  mountpoint -q "$dir/tmp" || mount -t tmpfs -o "mode=1777,size=$XSC_TMP_SIZE" tmpfs "$dir/tmp"
+}
+
+# Node names resolve to their hsn0 addresses everywhere (host and nodes share /etc/hosts), as
+# MASTER_ADDR=nid001 must on a real cluster. Also drop the single-network test bed's line.
+write_hosts() {
+  local node line
+  xsc_remove_hosts_lines '^127\.0\.0\.1 nid001 nid002$'
+  for node in "${XSC_NODES[@]}"; do
+    line="$(xsc_node_addr "$node") $node $XSC_HOSTS_TAG"
+    grep -qxF "$line" /etc/hosts || printf '%s\n' "$line" >>/etc/hosts
   done
 }
 
-write_hosts() {
-  # MASTER_ADDR=nid001 must resolve inside every rank, as it does on a real cluster.
-  grep -qE '^127\.0\.0\.1[[:space:]].*\bnid001\b' /etc/hosts \
-    || printf '127.0.0.1 %s\n' "${NODES[*]}" >>/etc/hosts
-}
-
+# Character devices Slurm's gres plugin can "assign"; they behave like /dev/null. Recorded, so
+# cluster-down removes only the ones made here.
 make_fake_gpus() {
-  # Character devices that Slurm's gres plugin can "assign"; they behave like /dev/null.
   local i
   for i in 0 1 2 3; do
-    [[ -e /dev/fakegpu$i ]] || mknod "/dev/fakegpu$i" c 1 3
+    [[ -e /dev/fakegpu$i ]] && continue
+    mknod "/dev/fakegpu$i" c 1 3
+    printf '/dev/fakegpu%d\n' "$i" >>"$XSC_STATE/made-devices"
   done
 }
 
 write_config() {
-  local host
+  local host node nodes_lines=""
   host=$(hostname -s)
-  mkdir -p "$CONF_DIR" /var/spool/slurmctld /var/log/slurm
-  cat >"$CONF_DIR/slurm.conf.new" <<EOF
-# Written by xscale tests/cluster/cluster-up.sh: two virtual nodes on one machine.
+  for node in "${XSC_NODES[@]}"; do
+    nodes_lines+="NodeName=$node NodeAddr=$(xsc_node_addr "$node") CPUs=2 Gres=gpu:4 State=UNKNOWN"$'\n'
+  done
+  mkdir -p "$XSC_CONF_DIR" /var/spool/slurmctld /var/log/slurm
+  cat >"$XSC_CONF_DIR/slurm.conf.new" <<EOF
+# Written by xscale tests/cluster/cluster-up.sh: four virtual nodes, each in its own network,
+# mount and UTS namespace on this machine (docs/TESTBED.md).
 ClusterName=xscale
-SlurmctldHost=$host
+# slurmctld only starts under its own host name; the nodes reach it at the bridge's address.
+SlurmctldHost=$host($XSC_BRIDGE_ADDR)
 SlurmUser=root
 AuthType=auth/munge
 StateSaveLocation=/var/spool/slurmctld
-SlurmctldPidFile=$STATE/slurmctld.pid
-SlurmdPidFile=$STATE/slurmd-%n.pid
+SlurmctldPidFile=$XSC_STATE/slurmctld.pid
+SlurmdPidFile=$XSC_STATE/slurmd-%n.pid
 SlurmdSpoolDir=/var/spool/slurmd/%n
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd-%n.log
+# Each node has its own network namespace, so all share the default slurmd port. The nodes'
+# CPUs and GPUs come from this file, not from the (shared) hardware.
+SlurmdParameters=config_overrides
+# A node that stops answering (slurmd killed, hsn0 down) is DOWN after 10 s, not 5 minutes, so
+# a job on it ends with "Node failure" in seconds; a restarted slurmd brings it back.
+SlurmdTimeout=10
+ReturnToService=2
 # No cgroups here: track processes by parentage; task/affinity makes --cpu-bind masks real.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/affinity
@@ -79,7 +124,6 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu
 SchedulerType=sched/backfill
-ReturnToService=2
 # No slurmdbd: keep finished jobs visible to 'scontrol show job' for an hour instead.
 MinJobAge=3600
 JobCompType=jobcomp/filetxt
@@ -89,65 +133,60 @@ JobAcctGatherType=jobacct_gather/none
 # Allow 'scontrol requeue' of batch jobs (failure-handling tests).
 JobRequeue=1
 KillWait=5
-NodeName=nid[001-002] NodeHostname=$host NodeAddr=127.0.0.1 Port=[6821-6822] CPUs=2 Gres=gpu:4 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+${nodes_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
-  printf 'NodeName=nid[001-002] Name=gpu File=/dev/fakegpu[0-3]\n' >"$CONF_DIR/gres.conf"
-  mv "$CONF_DIR/slurm.conf.new" "$CONF_DIR/slurm.conf"
+  printf 'NodeName=%s Name=gpu File=/dev/fakegpu[0-3]\n' "${XSC_NODES[@]}" >"$XSC_CONF_DIR/gres.conf"
+  mv "$XSC_CONF_DIR/slurm.conf.new" "$XSC_CONF_DIR/slurm.conf"
 }
 
 start_munge() {
-  alive "$STATE/munged.pid" && return 0
-  # A munged we did not start (e.g. the distribution's service) is fine to share.
+  xsc_alive "$XSC_STATE/munged.pid" && return 0
+  # A munged we did not start (e.g. the distribution's service) is fine to share: its socket is
+  # a file, which every node sees.
   if [[ -S /run/munge/munge.socket.2 ]] && munge -n </dev/null >/dev/null 2>&1; then
     return 0
   fi
   mkdir -p /run/munge
-  [[ -s /etc/munge/munge.key ]] || die "/etc/munge/munge.key is missing (reinstall munge)"
+  [[ -s /etc/munge/munge.key ]] || xsc_die "/etc/munge/munge.key is missing (reinstall munge)"
   # munged refuses to run as root unless forced; root is the only user this test bed has.
-  # Its log and seed live with our pid files so it checks no distribution-owned paths.
-  munged --force --pid-file="$STATE/munged.pid" --log-file="$STATE/munged.log" \
-    --seed-file="$STATE/munged.seed"
+  munged --force --pid-file="$XSC_STATE/munged.pid" --log-file="$XSC_STATE/munged.log" \
+    --seed-file="$XSC_STATE/munged.seed"
 }
 
-start_slurm() {
-  alive "$STATE/slurmctld.pid" || slurmctld
-  local node
-  for node in "${NODES[@]}"; do
-    mkdir -p "/var/spool/slurmd/$node"
-    alive "$STATE/slurmd-$node.pid" || slurmd -N "$node"
+# Nodes left down or drained by an earlier run (or a fault a test did not undo) come back now
+# rather than after a timeout.
+resume_nodes() {
+  local node state
+  for node in "${XSC_NODES[@]}"; do
+    state=$(sinfo -h -n "$node" -o '%t' 2>/dev/null) || continue
+    case $state in
+      *down* | *drain* | *fail*) scontrol update "nodename=$node" state=resume >/dev/null 2>&1 || true ;;
+    esac
   done
-}
-
-# Wait (bounded) until both nodes report idle; this polls a real state, it is not a timed sleep.
-wait_until_idle() {
-  local deadline=$((SECONDS + READY_TIMEOUT_S)) states
-  while (( SECONDS < deadline )); do
-    states=$(sinfo -h -N -o '%N %t' 2>/dev/null | sort -u | tr '\n' ' ')
-    if [[ $states == *"nid001 idle"* && $states == *"nid002 idle"* ]]; then
-      say "ready: $states"
-      return 0
-    fi
-    # Nodes left down/drained by an earlier run come back without waiting for a timeout.
-    if [[ $states == *"down"* || $states == *"drain"* ]]; then
-      scontrol update 'nodename=nid[001-002]' state=resume >/dev/null 2>&1 || true
-    fi
-    sleep 0.2
-  done
-  die "nodes not idle after ${READY_TIMEOUT_S}s (sinfo: ${states:-nothing}); see /var/log/slurm/"
 }
 
 main() {
   [[ ${1:-} == -h || ${1:-} == --help ]] && { usage; exit 0; }
   check_tools
-  mkdir -p "$STATE"
+  mkdir -p "$XSC_STATE"
+  local node
+  make_bridge
+  for node in "${XSC_NODES[@]}"; do
+    make_node_network "$node"
+    make_node_storage "$node"
+  done
   write_hosts
   make_fake_gpus
   # Rewriting slurm.conf under running daemons would change their view: only write when down.
-  alive "$STATE/slurmctld.pid" || write_config
+  xsc_alive "$XSC_STATE/slurmctld.pid" || write_config
   start_munge
-  start_slurm
-  wait_until_idle
+  xsc_alive "$XSC_STATE/slurmctld.pid" || slurmctld
+  for node in "${XSC_NODES[@]}"; do
+    xsc_start_slurmd "$node"
+  done
+  resume_nodes
+  xsc_wait_idle "$READY_TIMEOUT_S" "${XSC_NODES[@]}"
+  xsc_say "ready: ${XSC_NODES[*]} idle (bridge $XSC_BRIDGE at $XSC_BRIDGE_ADDR)"
 }
 
 main "$@"

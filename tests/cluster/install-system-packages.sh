@@ -4,7 +4,8 @@
 # cluster tests then skip (or fail under CI=true).
 set -euo pipefail
 
-readonly PACKAGES=(slurm-wlm munge bubblewrap shellcheck bats)
+# iproute2: the virtual nodes' network namespaces, veth pairs and bridge (tests/cluster/).
+readonly PACKAGES=(slurm-wlm munge bubblewrap shellcheck bats iproute2)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Inject (and undo) the faults a real partition has, on one virtual node of the test bed.
+# `heal` undoes every one of them; cluster-down.sh removes whatever is left.
+set -euo pipefail
+
+readonly XSC_PROG=fault
+# shellcheck source=tests/cluster/lib.sh
+source "${BASH_SOURCE[0]%/*}/lib.sh"
+readonly HEAL_TIMEOUT_S=${XSCALE_CLUSTER_TIMEOUT_S:-60}
+readonly FILLER=.xscale-fault-fill
+
+usage() {
+  cat <<'EOF'
+Usage: tests/cluster/fault.sh VERB NODE [ARGS]
+
+  link-down NODE       take NODE's hsn0 down: a network partition (the node's ranks and its
+                       slurmd become unreachable; Slurm sets the node DOWN after SlurmdTimeout)
+  link-up NODE         bring hsn0 back
+  fill-tmp NODE        fill NODE's /tmp (a tmpfs) to the last byte
+  free-tmp NODE        remove what fill-tmp wrote
+  kill-slurmd NODE     SIGKILL NODE's slurmd; its running tasks live on, as after a daemon crash
+  crash NODE           SIGKILL every process on NODE (slurmd, job steps, ranks): a node failure
+  start-slurmd NODE    start NODE's slurmd again (after kill-slurmd or crash)
+  drain NODE REASON    drain NODE with REASON, as an administrator would
+  heal [NODE...]       undo all of the above on the nodes (default: every node), resume them and
+                       wait until they are idle
+  status               one line per node: hsn0, /tmp use, slurmd, Slurm state
+
+Nodes: nid001 nid002 nid003 nid004. Needs root and a running cluster (cluster-up.sh).
+EOF
+}
+
+need_node() {
+  [[ -n ${1:-} ]] || xsc_die "which node? (usage: fault.sh --help)"
+  xsc_node_index "$1" >/dev/null
+  [[ -e /run/netns/$1 ]] || xsc_die "node $1 is not up (run tests/cluster/cluster-up.sh)"
+}
+
+fill_tmp() {
+  local tmp free
+  tmp=$(xsc_node_dir "$1")/tmp
+  free=$(df --output=avail -B1 "$tmp" | tail -n 1)
+  (( free > 0 )) || return 0
+  fallocate -l "$free" "$tmp/$FILLER.$RANDOM"
+}
+
+free_tmp() {
+  local tmp
+  tmp=$(xsc_node_dir "$1")/tmp
+  rm -f "$tmp/$FILLER".*
+}
+
+kill_slurmd() {
+  local pidfile pid
+  pidfile=$(xsc_slurmd_pidfile "$1")
+  xsc_alive "$pidfile" || xsc_die "$1's slurmd is not running"
+  read -r pid <"$pidfile"
+  kill -KILL "$pid"
+}
+
+crash() {
+  local -a pids
+  mapfile -t pids < <(ip netns pids "$1")
+  (( ${#pids[@]} )) && kill -KILL "${pids[@]}" 2>/dev/null
+  return 0
+}
+
+heal() {
+  local node
+  (( $# )) || set -- "${XSC_NODES[@]}"
+  for node in "$@"; do
+    need_node "$node"
+    ip -n "$node" link set hsn0 up
+    free_tmp "$node"
+    xsc_start_slurmd "$node"
+    scontrol update "nodename=$node" state=resume >/dev/null 2>&1 || true
+  done
+  xsc_wait_idle "$HEAL_TIMEOUT_S" "$@"
+}
+
+status() {
+  local node link tmp_use daemon state
+  for node in "${XSC_NODES[@]}"; do
+    link=$(ip -n "$node" -br link show hsn0 2>/dev/null | awk '{print $2}') || link=absent
+    tmp_use=$(df --output=pcent "$(xsc_node_dir "$node")/tmp" 2>/dev/null | tail -n 1) || tmp_use='?'
+    xsc_alive "$(xsc_slurmd_pidfile "$node")" && daemon=running || daemon=dead
+    state=$(sinfo -h -n "$node" -o '%t' 2>/dev/null | head -n 1) || state='?'
+    printf '%s hsn0=%s tmp=%s slurmd=%s state=%s\n' "$node" "${link:-absent}" \
+      "${tmp_use// /}" "$daemon" "${state:-?}"
+  done
+}
+
+main() {
+  local verb=${1:-}
+  case $verb in
+    -h | --help) usage; exit 0 ;;
+    "") xsc_die "no verb (usage: fault.sh --help)" ;;
+  esac
+  (( EUID == 0 )) || xsc_die "fault injection needs root"
+  shift
+  case $verb in
+    link-down) need_node "${1:-}"; ip -n "$1" link set hsn0 down ;;
+    link-up) need_node "${1:-}"; ip -n "$1" link set hsn0 up ;;
+    fill-tmp) need_node "${1:-}"; fill_tmp "$1" ;;
+    free-tmp) need_node "${1:-}"; free_tmp "$1" ;;
+    kill-slurmd) need_node "${1:-}"; kill_slurmd "$1" ;;
+    crash) need_node "${1:-}"; crash "$1" ;;
+    start-slurmd) need_node "${1:-}"; xsc_start_slurmd "$1" ;;
+    drain)
+      need_node "${1:-}"
+      [[ -n ${2:-} ]] || xsc_die "drain needs a reason (fault.sh drain NODE REASON)"
+      scontrol update "nodename=$1" state=drain "reason=$2"
+      ;;
+    heal) heal "$@" ;;
+    status) status ;;
+    *) xsc_die "unknown verb '$verb' (usage: fault.sh --help)" ;;
+  esac
+}
+
+main "$@"
