@@ -313,6 +313,34 @@ def test_lumi_template_asks_for_lumis_partition(cluster, path: Path):
     assert "invalid partition" in proc.stderr.lower()
 
 
+def test_lumi_job_with_data_outside_the_binds_fails_before_any_step(cluster, tmp_path):
+    """On the real scheduler: the batch script stops with one line and exit 2, and Slurm ran no
+    step (srun never started)."""
+    outside = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="xscale-data-"))
+    try:
+        link = tmp_path / "data-link"
+        link.symlink_to(outside)
+        output = tmp_path / "mnist.out"
+        proc = subprocess.run(
+            ["sbatch", "--parsable", "-o", str(output), *VIRTUAL, "--nodes=2",
+             str(lumi("mnist.sbatch"))],
+            cwd=REPO, env=tool_env(virtual_env(tmp_path, DATA=str(link))),
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        job_id = proc.stdout.strip().split(";")[0]
+        cluster.wait_state(job_id, ENDED, WAIT_S)
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+    state, exit_code = cluster.job_state(job_id)
+    assert (state, exit_code) == ("FAILED", "2:0")
+    text = output.read_text()
+    errors = [line for line in text.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("xscale: error: DATA="), text
+    # Rank 0 announces itself when run.sh starts: no rank ever did.
+    assert "xscale: launcher=" not in text
+
+
 @pytest.mark.parametrize("path", LOCAL, ids=ids)
 def test_local_template_is_accepted_as_it_is(cluster, path: Path):
     proc = sbatch_test_only(path)
