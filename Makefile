@@ -26,8 +26,8 @@ system-packages:
 
 venv: $(STAMP)
 
-# Re-installs only when a requirements file changes (the stamp is newer otherwise).
-$(STAMP): requirements.txt requirements-deepspeed.txt
+# Re-installs only when a requirements or constraints file changes (the stamp is newer otherwise).
+$(STAMP): requirements.txt requirements-deepspeed.txt constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt

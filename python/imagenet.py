@@ -1,6 +1,7 @@
-"""ImageNet-style classification with DistributedDataParallel (seed 000's cv_example.py).
+"""ImageNet-style classification with DistributedDataParallel (the LUMI AI
+workshop's cv_example.py, E09 "Extreme scale AI").
 
-The command line is pytorch/examples/imagenet's, so seed 000's line works as it is:
+The command line is pytorch/examples/imagenet's, so the workshop's line works as it is:
 
     srun ... singularity exec $SIF /runscripts/run.sh python -u python/imagenet.py \\
         -a resnet50 --batch-size $((8*512)) --workers $((8*7)) --gpu \\$SLURM_LOCALID \\

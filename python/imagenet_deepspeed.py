@@ -1,4 +1,5 @@
-"""ImageNet-style classification with DeepSpeed (seed 000's cv_example_ds.py, DeepSpeedExamples'
+"""ImageNet-style classification with DeepSpeed (the LUMI AI workshop's
+cv_example_ds.py, E09 "Extreme scale AI"; DeepSpeedExamples'
 training/imagenet), sharing imagenet.py's data, models and command line.
 
     srun ... singularity exec $SIF /runscripts/run.sh python -u python/imagenet_deepspeed.py \\

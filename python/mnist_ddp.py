@@ -1,4 +1,5 @@
-"""MNIST with DistributedDataParallel: the LUMI container smoke test (seed 003's mnist_DDP.py).
+"""MNIST with DistributedDataParallel: the LUMI container smoke test (mnist_DDP.py
+from Lumi-supercomputer/lumi-reframe-tests, used in LUMI's distributed-learning container demo).
 
 Runs unchanged from one CPU process to many GPU nodes: start it through runscripts/run.sh (or
 torchrun), which exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
@@ -67,11 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--logging-dir", type=Path, default=None,
                         help="TensorBoard directory (default: OUTPUT_DIR/tb; none without either)")
     parser.add_argument("--gpu", action="store_true",
-                        help="require a GPU (as seed 003's mnist_DDP.py); GPUs are used anyway "
-                             "when torch sees them")
+                        help="require a GPU (as lumi-reframe-tests' mnist_DDP.py); GPUs are used "
+                             "anyway when torch sees them")
     parser.add_argument("--modelpath", type=Path, default=None,
                         help="save the trained weights as MODELPATH/model_{gpu,cpu}.dat, as "
-                             "seed 003's mnist_DDP.py does")
+                             "lumi-reframe-tests' mnist_DDP.py does")
     args = parser.parse_args(argv)
     for name in ("batch_size", "epochs", "workers", "keep_checkpoints", "log_every"):
         if getattr(args, name) < (0 if name == "workers" else 1):
@@ -163,7 +164,7 @@ class Net(nn.Module):
 
 
 def save_model(model: nn.Module, modelpath: Path, device: torch.device) -> Path:
-    """Seed 003's output: the state_dict as MODELPATH/model_gpu.dat (or model_cpu.dat)."""
+    """mnist_DDP.py's output: the state_dict as MODELPATH/model_gpu.dat (or model_cpu.dat)."""
     path = modelpath / f"model_{'gpu' if device.type == 'cuda' else 'cpu'}.dat"
     checkpoint.atomic_save(summary.unwrap(model).state_dict(), path)
     return path

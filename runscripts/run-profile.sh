@@ -16,9 +16,11 @@ Usage: run-profile.sh [--print-env | --help] CMD [ARGS...]
 Everything run.sh does (see run.sh --help), and on the selected ranks CMD runs under a profiler.
 
   PROFILE_RANKS   ranks to profile: 14 | 0,8-15 | all | last (default 0). Malformed: exit 2.
-  PROFILER        command template with {rank} and {dir}; site defaults:
+  PROFILER        command template with {rank} and {dir}; every rank checks that it is
+                  installed in the image (exit 2 if not) before any rank starts. Site defaults:
                     lumi     rocprof --hip-trace --stats -o {dir}/rank{rank}/results.csv
-                    nvidia   nsys profile -t cuda,nvtx -o {dir}/rank{rank}
+                    nvidia, nvidia-slingshot   nsys profile -t cuda,nvtx -o {dir}/rank{rank}
+                    aurora   unitrace --chrome-device-logging --chrome-ccl-logging ...
                     generic  py-spy record -o {dir}/rank{rank}.svg --
   PROFILE_DIR     where profiles go (default ./profile-JOBID); {dir}/rank{rank} is created
   PROFILE_STEP_START, PROFILE_STEPS   exported for the trainer: which steps to record (10, 32)

@@ -31,18 +31,24 @@ Exported (each kept if already set):
                       the first line of PBS_NODEFILE; 127.0.0.1 for one process. Best set by the
                       job script outside the container.
   MASTER_PORT         10000 + (16*job_id + step_id%16) % 22768: equal on all ranks, different for
-                      neighbouring jobs and concurrent steps sharing a node
+                      neighbouring jobs and concurrent steps sharing a node. Without a Slurm or
+                      PBS job id, job_id is a hash of the MPI launcher's PMIX_NAMESPACE,
+                      OMPI_MCA_ess_base_jobid or PALS_APID. A MASTER_PORT you set must be 1-65535.
   XSCALE_CACHE_DIR    node-local cache, /tmp/xscale-USER-JOB.STEP-NODE (mode 0700; a symlink or a
                       directory of another user is refused). XSCALE_CACHE_ROOT replaces /tmp.
   TORCH_EXTENSIONS_DIR, TRITON_CACHE_DIR   inside XSCALE_CACHE_DIR (JIT builds off Lustre)
   OMP_NUM_THREADS     CPUs in this rank's affinity mask (what --cpu-bind gave it)
-  TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (and NCCL_ASYNC_ERROR_HANDLING for torch < 2.2),
-  XSCALE_TIMEOUT_S=600   a dead rank fails the job instead of hanging it (NCCL and RCCL)
+  TORCH_NCCL_ASYNC_ERROR_HANDLING=1, XSCALE_TIMEOUT_S=600
+                      a dead rank fails the job instead of hanging it (NCCL and RCCL). The old
+                      name NCCL_ASYNC_ERROR_HANDLING is not exported: torch >= 2.2 warns about it
+                      on every rank; export it yourself for an image with an older torch.
   XSCALE_SITE, XSCALE_LAUNCHER   what was detected
   plus the site profile's variables (runscripts/sites/SITE.sh; see its README).
 
 Settings read:
-  XSCALE_SITE=lumi|aurora|nvidia|generic   site profile (default: detected)
+  XSCALE_SITE=lumi|aurora|nvidia|nvidia-slingshot|generic
+                      site profile (default: detected from the node's devices; see
+                      runscripts/sites/README.md)
   XSCALE_GPU_BIND=none|local   local: narrow ROCR/CUDA_VISIBLE_DEVICES or ZE_AFFINITY_MASK to this
                       rank's GPUs, unless the scheduler already did (default none: every rank sees
                       the node's GPUs and picks LOCAL_RANK)

@@ -32,7 +32,7 @@ def test_four_ranks_over_two_nodes_allreduce(cluster):
     assert all(r["sum"] == r["expected"] == 10 for r in ranks)
     assert {r["master"] for r in ranks} == {ranks[0]["master"]}
     assert ranks[0]["master"].startswith("nid001:")
-    # The seed's escaped '\$SLURM_PROCID' arrives as each rank's own number.
+    # '\$SLURM_PROCID', escaped as LUMI's workshop scripts write it, arrives as each rank's number.
     assert [r["argv"] for r in ranks] == [["--rank", str(i)] for i in range(4)]
     assert proc.stderr.count("xscale: launcher=slurm site=generic world=4 nodes=2") == 1
 

@@ -24,10 +24,11 @@ NEEDED = {"deepspeed", "transformers", "accelerate", "datasets", "tokenizers", "
 
 
 def sections(def_file: Path) -> dict[str, list[str]]:
-    """The header ('' key) and every %section of a definition file, as stripped lines."""
+    """The header ('' key) and every %section of a definition file, as stripped lines (a line
+    continued with a backslash joined to the next)."""
     found: dict[str, list[str]] = {"": []}
     current = ""
-    for raw in def_file.read_text().splitlines():
+    for raw in def_file.read_text().replace("\\\n", " ").splitlines():
         line = raw.strip()
         if line.startswith("%"):
             current = line.split()[0][1:]
@@ -76,7 +77,7 @@ def test_definitions_install_the_trainers_packages_and_set_pythonpath(def_file):
                for line in parts.get("environment", []))
 
 
-def test_lumi_definition_extends_the_seed_image_in_its_conda_environment():
+def test_lumi_definition_extends_the_workshop_image_in_its_conda_environment():
     lumi = CONTAINERS / "lumi-pytorch.def"
     head = header(lumi)
     assert head["bootstrap"] == "localimage"
@@ -209,3 +210,79 @@ def test_build_sh_is_shellcheck_clean():
     proc = subprocess.run(["shellcheck", str(BUILD_SH)], capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout
+
+
+# --- one software stack: constraints.txt --------------------------------------------------------
+
+CONSTRAINTS = REPO / "constraints.txt"
+IMAGE_CONSTRAINTS = "/opt/xscale/constraints.txt"
+
+
+def pins(lines: list[str]) -> dict[str, str]:
+    """NAME -> VERSION for every NAME==VERSION requirement line (comments and options skipped)."""
+    found = {}
+    for raw in lines:
+        line = raw.split("#", 1)[0].strip()
+        if "==" in line and not line.startswith("-"):
+            name, version = line.split("==", 1)
+            found[name.strip().lower()] = version.strip()
+    return found
+
+
+def constraint_pins() -> dict[str, str]:
+    return pins(CONSTRAINTS.read_text().splitlines())
+
+
+def test_constraints_pin_what_the_trainers_need_and_leave_torch_to_each_image():
+    pinned = constraint_pins()
+    assert NEEDED <= set(pinned), NEEDED - set(pinned)
+    # A torch constraint the image's ROCm/CUDA build does not meet would make pip replace it.
+    assert not {"torch", "torchvision"} & set(pinned)
+    # Which torch each image ships is written down next to the pins.
+    text = CONSTRAINTS.read_text()
+    for image in ("lumi-pytorch-rocm-6.2.4-python-3.12-pytorch-v2.7.1.sif",
+                  "lumi-pytorch-rocm-6.1.3-python-3.12-pytorch-v2.4.1.sif",
+                  "nvcr.io/nvidia/pytorch:25.01-py3"):
+        assert image in text, image
+
+
+@pytest.mark.parametrize("def_file", DEF_FILES, ids=lambda p: p.name)
+def test_images_install_the_constrained_versions(def_file):
+    parts = sections(def_file)
+    files = dict(line.split() for line in parts["files"])
+    assert files.get("constraints.txt") == IMAGE_CONSTRAINTS
+    installs = [line for line in parts["post"] if line.startswith("pip install")]
+    assert installs
+    for line in installs:
+        assert f"-c {IMAGE_CONSTRAINTS}" in line, line
+        assert "==" not in line, f"a version outside constraints.txt: {line}"
+
+
+def test_requirements_take_their_versions_from_the_constraints():
+    for name in ("requirements.txt", "requirements-deepspeed.txt"):
+        lines = (REPO / name).read_text().splitlines()
+        assert "-c constraints.txt" in lines, name
+        # Only the venv's own CPU torch is pinned outside constraints.txt.
+        assert set(pins(lines)) <= {"torch", "torchvision"}, name
+
+
+def test_cotainr_environment_repeats_the_constraints():
+    env = yaml.safe_load((CONSTRAINTS.parent / "containers" / "lumi-cotainr.yml").read_text())
+    pip = next(dep["pip"] for dep in env["dependencies"] if isinstance(dep, dict))
+    pinned = {name: version for name, version in pins(pip).items()
+              if name not in {"torch", "torchvision"}}
+    assert pinned and all(constraint_pins().get(name) == version
+                          for name, version in pinned.items()), pinned
+
+
+def test_the_test_venv_is_the_constrained_stack():
+    """The unit tests run against the versions the images get (constraints.txt). `make setup`
+    reinstalls only when a requirements file changes, so a stale venv shows up here."""
+    from importlib import metadata
+
+    for name, version in constraint_pins().items():
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue  # not part of the venv (none today; the images install what they need)
+        assert installed == version, (name, installed, version)

@@ -1,4 +1,4 @@
-"""runscripts/cpu-masks: the seed's LUMI list, generic layouts, errors, and what srun applies."""
+"""jobs/lib/cpu-masks: LUMI's documented list, generic layouts, errors, and what srun applies."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pytest
 
 from tests.conftest import REPO
 
-CPU_MASKS = REPO / "runscripts" / "cpu-masks"
-# Seed 000 (LUMI AI workshop, "Extreme scale AI"): GCD 0..7 -> CCD 6,7,2,3,0,1,4,5, first core of
-# each CCD reserved.
-SEED_LUMI = (
+CPU_MASKS = REPO / "jobs" / "lib" / "cpu-masks"
+# The LUMI AI workshop's list (E09 "Extreme scale AI", docs/ai-20241126/E09_ExtremeScale.md in
+# Lumi-supercomputer/LUMI-training-materials; LUMI docs, "Distribution and binding"): GCD 0..7 ->
+# CCD 6,7,2,3,0,1,4,5, first core of each CCD reserved.
+LUMI_LIST = (
     "0x00fe000000000000,0xfe00000000000000,0x0000000000fe0000,0x00000000fe000000,"
     "0x00000000000000fe,0x000000000000fe00,0x000000fe00000000,0x0000fe0000000000"
 )
@@ -28,10 +29,10 @@ def cores_of(mask: str) -> list[int]:
     return [bit for bit in range(value.bit_length()) if value >> bit & 1]
 
 
-def test_lumi_layout_is_the_seed_list_exactly():
+def test_lumi_layout_is_the_documented_list_exactly():
     proc = masks("lumi")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == SEED_LUMI + "\n"
+    assert proc.stdout == LUMI_LIST + "\n"
     assert proc.stderr == ""
 
 
@@ -45,7 +46,7 @@ def test_generic_form_reproduces_lumi():
     proc = masks(
         "--cores-per-task", "8", "--tasks", "8", "--reserve-first", "--order", "6,7,2,3,0,1,4,5"
     )
-    assert proc.stdout.strip() == SEED_LUMI
+    assert proc.stdout.strip() == LUMI_LIST
 
 
 @pytest.mark.parametrize(

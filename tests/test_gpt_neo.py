@@ -1,4 +1,5 @@
-"""gpt_neo_imdb.py: the seed's command line, its error paths, and Trainer DDP over two nodes."""
+"""gpt_neo_imdb.py: the LUMI workshop's command line, its error paths, and Trainer DDP over two
+nodes."""
 
 from __future__ import annotations
 

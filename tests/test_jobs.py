@@ -9,13 +9,18 @@ exist, CPU training, tiny data, a few steps).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pwd
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -26,13 +31,17 @@ from tests.helpers import env_lines, rank_records, summary
 LUMI = sorted((REPO / "jobs" / "lumi").glob("*.sbatch"))
 LOCAL = sorted((REPO / "jobs" / "local").glob("*.sbatch"))
 AURORA = sorted((REPO / "jobs" / "aurora").glob("*.pbs"))
-CPU_MASKS = REPO / "runscripts" / "cpu-masks"
-SEED_AURORA_CPU_LIST = "4:9:14:19:20:25:56:61:66:71:74:79"
+CPU_MASKS = REPO / "jobs" / "lib" / "cpu-masks"
+# ALCF's CPU binding for training with all 12 tiles: four cores per rank ("PyTorch on Aurora").
+ALCF_TRAINING_CPU_LIST = "4-7:8-11:12-15:16-19:20-23:24-27:56-59:60-63:64-67:68-71:72-75:76-79"
+# Aurora's queues: nodes allowed (ALCF "Running jobs on Aurora").
+AURORA_QUEUES = {"debug": (1, 2), "debug-scaling": (2, 256), "prod": (256, 10624),
+                 "capacity": (1, 16)}
 USER = pwd.getpwuid(os.getuid()).pw_name
 MAX_STEPS = 3
 # Each real run is bounded twice: by the job's own time limit, and by how long we wait for it.
 # Longer than the templates' --signal=B:USR1@300 warning plus Slurm's 30 s checking period: a
-# shorter limit gets the warning as the job starts (see runscripts/lib/time-limit.sh).
+# shorter limit gets the warning as the job starts (see jobs/lib/time-limit.sh).
 JOB_TIME = "--time=00:10:00"
 WAIT_S = 300
 
@@ -59,12 +68,12 @@ def test_there_are_the_lumi_templates_the_scenarios_need():
     assert AURORA
 
 
-TIME_LIMIT_LIB = "runscripts/lib/time-limit.sh"  # the templates source it
+HOST_LIBS = ["jobs/lib/time-limit.sh", "jobs/lib/container-paths.sh"]  # the templates source them
 
 
 def test_every_template_is_shellcheck_clean():
     proc = subprocess.run(
-        ["shellcheck", "-s", "bash", *map(str, LUMI + LOCAL + AURORA), TIME_LIMIT_LIB],
+        ["shellcheck", "-s", "bash", *map(str, LUMI + LOCAL + AURORA), *HOST_LIBS],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stdout
@@ -82,60 +91,194 @@ def sbatch_option(text: str, name: str) -> str | None:
     return None
 
 
-def srun_commands(text: str) -> list[str]:
-    """Every srun command, its continuation lines joined."""
-    joined = re.sub(r"\\\n\s*", " ", text)
-    lines = (line.strip().removeprefix("requeueable_step ") for line in joined.splitlines())
-    return [line for line in lines if line.startswith("srun ")]
-
-
 @pytest.mark.parametrize("path", LUMI, ids=ids)
-def test_lumi_template_shape(path: Path):
+def test_lumi_template_asks_for_lumi_g(path: Path):
+    """What sbatch reads from the header: LUMI-G's partitions and layout, a placeholder account,
+    and, for the training templates, the time-limit warning that lets them stop and requeue."""
     text = path.read_text()
     assert text.startswith("#!/bin/bash\n")
-    assert "set -euo pipefail" in text
-    # The header: LUMI-G's partitions and layout, a placeholder account, a comment on every line.
     assert sbatch_option(text, "partition") in {"standard-g", "small-g"}
     assert sbatch_option(text, "gpus-per-node") == "8"
     assert sbatch_option(text, "ntasks-per-node") == "8"
     assert sbatch_option(text, "account") is not None
     for line in sbatch_lines(text):
         assert re.search(r"\S\s+# \S", line), f"no comment on: {line}"
-    # Parameters from the environment, binds and masks by name, MASTER_ADDR from outside.
-    assert re.search(r'^: "\$\{SIF:=/appl/local/containers/sif-images/', text, re.M)
-    assert re.search(r'^: "\$\{BINDS:=', text, re.M)
-    assert re.search(r'CPU_MASKS=\$\("\$XSCALE_ROOT/runscripts/cpu-masks" lumi\)', text)
-    assert "CCD" in text  # the GCD-to-CCD mapping is explained where the masks are chosen
-    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
-    # Every srun can end the step on a dead rank; the ranks start through run.sh, never bash -c.
-    sruns = srun_commands(text)
-    assert sruns and all("--kill-on-bad-exit=1" in s for s in sruns if "/runscripts/" in s)
-    assert "bash -c" not in text and "eval " not in text
-    training = [s for s in sruns if re.search(r"/runscripts/run(-profile)?\.sh python", s)]
-    assert training, "no srun line calls run.sh"
-    assert all('singularity exec -B "$BINDS" "$SIF"' in s for s in training)
-    masked = [s for s in training if '--cpu-bind=mask_cpu:"$CPU_MASKS"' in s]
-    # The smoke test's first step runs one task per node, where no mask applies.
-    assert masked == training or (path.name == "smoke.sbatch" and masked)
-    if sbatch_option(text, "nodes") != "1":
-        # Across nodes RCCL needs the host's Slingshot stack in the container (seed 000).
-        binds = re.search(r'^: "\$\{BINDS:=([^}]*)\}"', text, re.M).group(1)
-        assert {"/var/spool/slurmd", "/opt/cray", "/usr/lib64/libcxi.so.1"} <= set(
-            binds.split(",")
-        )
     if path.name != "smoke.sbatch":  # a one-minute check has no time limit to outlive
-        assert_stops_and_requeues_at_the_time_limit(text, training)
+        assert re.fullmatch(r"B:USR1@\d+", sbatch_option(text, "signal") or "")
+        assert sbatch_option(text, "requeue") == ""
+        assert sbatch_option(text, "open-mode") == "append"
 
 
-def assert_stops_and_requeues_at_the_time_limit(text: str, training: list[str]) -> None:
-    """Warned before the limit, requeueable, one output file across runs, and the training step
-    run by runscripts/lib/time-limit.sh (tested for real with jobs/local/mnist.sbatch)."""
-    assert re.fullmatch(r"B:USR1@\d+", sbatch_option(text, "signal") or "")
-    assert sbatch_option(text, "requeue") == ""
-    assert sbatch_option(text, "open-mode") == "append"
-    assert 'source "$XSCALE_ROOT/runscripts/lib/time-limit.sh"' in text
-    joined = re.sub(r"\\\n\s*", " ", text)
-    assert all(f"requeueable_step {step}" in joined for step in training)
+# ---------------------------------------------------------------------------------------------
+# The LUMI templates run here with stand-ins for srun and scontrol (no cluster): what each srun
+# gets, what stops a job before srun, and the time-limit path
+# ---------------------------------------------------------------------------------------------
+
+# Records each call (argv as JSON, and the MASTER_ADDR it inherited). A host-side step (mkdir,
+# tar, rm) runs once, here; a container step does not run. The training step (the one that
+# starts /runscripts/run*.sh) waits for USR1 when FAKE_SRUN_WAIT is set, as a running step waits
+# for Slurm's time-limit warning.
+FAKE_SRUN = r"""#!/usr/bin/env python3
+import json, os, signal, subprocess, sys, time
+log = os.environ["FAKE_LOG"]
+with open(os.path.join(log, "srun"), "a") as out:
+    record = {"argv": sys.argv[1:], "MASTER_ADDR": os.environ.get("MASTER_ADDR")}
+    out.write(json.dumps(record) + "\n")
+command = [a for a in sys.argv[1:] if not a.startswith("-")]
+if command and command[0] != "singularity":
+    sys.exit(subprocess.run(sys.argv[1 + sys.argv[1:].index(command[0]):]).returncode)
+if os.environ.get("FAKE_SRUN_WAIT") and any("/runscripts/run" in a for a in sys.argv):
+    got = []
+    signal.signal(signal.SIGUSR1, lambda *_: got.append("USR1"))
+    open(os.path.join(log, "step-started"), "w").close()
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(os.path.join(log, "step-signals"), "a") as out:
+        out.write("".join(got) + "\n")
+"""
+FAKE_SCONTROL = r"""#!/bin/bash
+if [[ $1 == show && $2 == hostnames ]]; then printf 'nid001\nnid002\n'; exit 0; fi
+printf '%s\n' "$*" >>"$FAKE_LOG/scontrol"
+"""
+LUMI_HOST_STACK = {"/var/spool/slurmd", "/opt/cray", "/usr/lib64/libcxi.so.1",
+                   "/usr/lib64/libjansson.so.4"}
+LUMI_FILE_SYSTEMS = {"/pfs", "/scratch", "/projappl", "/project", "/flash", "/appl"}
+
+
+def stub_bin(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "log").mkdir(exist_ok=True)
+    return bin_dir
+
+
+def template_inputs(tmp_path: Path) -> dict[str, str]:
+    """What a user provides: an image, data, a tarball of it."""
+    sif = tmp_path / "image.sif"
+    sif.write_bytes(b"SIF")
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    tarball = tmp_path / "data.tar"
+    with tarfile.open(tarball, "w") as tar:
+        tar.add(data, arcname="data-resnet-small")
+    return {"SIF": str(sif), "DATA": str(data), "DATA_TAR": str(tarball)}
+
+
+def run_template(path: Path, tmp_path: Path, **extra: str) -> subprocess.Popen[str]:
+    env = {
+        "PATH": os.pathsep.join([str(stub_bin(tmp_path)), "/usr/bin", "/bin"]),
+        "HOME": str(tmp_path), "FAKE_LOG": str(tmp_path / "log"),
+        "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "77", "SLURM_JOB_USER": USER,
+        "SLURM_JOB_NODELIST": "nid[001-002]", "SLURM_JOB_NUM_NODES": "2",
+        "XSCALE_ROOT": str(REPO), "MIOPEN_CACHE_TAR": str(tmp_path / "miopen.tar"),
+        "MIOPEN_USER_DB_PATH": str(tmp_path / "miopen"), "STAGE_DIR": str(tmp_path / "stage"),
+        **extra,
+    }
+    return subprocess.Popen(["bash", str(path)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def srun_calls(tmp_path: Path) -> list[dict]:
+    log = tmp_path / "log" / "srun"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("path", LUMI, ids=ids)
+def test_lumi_training_step_gets_masks_binds_and_run_sh(path: Path, tmp_path: Path):
+    inputs = template_inputs(tmp_path)
+    code, err = finish(run_template(path, tmp_path, **inputs))
+    assert code == 0, err
+    calls = srun_calls(tmp_path)
+    steps = [c for c in calls if any(re.search(r"^/runscripts/run(-profile)?\.sh$", a)
+                                     for a in c["argv"])]
+    assert steps, calls
+    lumi_masks = subprocess.run([str(CPU_MASKS), "lumi"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+    for step in steps:
+        argv = step["argv"]
+        # A dead rank ends the step; the first node is the rendezvous, found outside.
+        assert "--kill-on-bad-exit=1" in argv
+        assert step["MASTER_ADDR"] == "nid001"
+        exec_at = argv.index("singularity")
+        assert argv[exec_at:exec_at + 3] == ["singularity", "exec", "-B"]
+        binds = set(argv[exec_at + 3].split(","))
+        assert argv[exec_at + 4] == inputs["SIF"]
+        assert argv[exec_at + 5] in {"/runscripts/run.sh", "/runscripts/run-profile.sh"}
+        assert argv[exec_at + 6] == "python"
+        # LUMI's file systems (links into /pfs) and the checkout; across nodes the Slingshot stack.
+        assert LUMI_FILE_SYSTEMS | {str(REPO), f"{REPO}/runscripts:/runscripts"} <= binds
+        if sbatch_option(path.read_text(), "nodes") != "1":
+            assert LUMI_HOST_STACK <= binds
+        # Each rank on its GCD's CCD: the masks cpu-masks prints for LUMI (the smoke test's first
+        # step runs one task per node, unmasked).
+        if f"--cpu-bind=mask_cpu:{lumi_masks}" not in argv:
+            assert path.name == "smoke.sbatch" and "--ntasks-per-node=1" in argv, argv
+    assert "bash" not in {a for c in calls for a in c["argv"]}  # no per-rank `bash -c` strings
+
+
+@pytest.mark.parametrize("path", LUMI, ids=ids)
+def test_lumi_template_without_an_image_stops_before_srun(path: Path, tmp_path: Path):
+    inputs = template_inputs(tmp_path)
+    del inputs["SIF"]
+    code, err = finish(run_template(path, tmp_path, **inputs))
+    assert code == 2
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("xscale: error: SIF ")
+    assert srun_calls(tmp_path) == []
+
+
+NEEDS_DATA = [p for p in LUMI if p.name in {"mnist.sbatch", "imagenet.sbatch",
+                                          "imagenet-deepspeed.sbatch",
+                                          "imagenet-miopen-cache.sbatch"}]
+
+
+@pytest.mark.parametrize("path", NEEDS_DATA, ids=ids)
+def test_lumi_data_the_container_cannot_see_stops_before_srun(path: Path, tmp_path: Path):
+    # A link in a visible directory (/tmp) to a file system that is not bound: the trainer would
+    # find a dangling link inside the container, as with /scratch/<project> without /pfs on LUMI.
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("needs /dev/shm as a directory outside the binds")
+    outside = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="xscale-data-"))
+    try:
+        link = tmp_path / "data-link"
+        link.symlink_to(outside)
+        inputs = {**template_inputs(tmp_path), "DATA": str(link)}
+        code, err = finish(run_template(path, tmp_path, **inputs))
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "DATA=" in err and "BINDS" in err, err
+    assert srun_calls(tmp_path) == []
+    # Missing altogether: one line that names the variable.
+    inputs = {**template_inputs(tmp_path), "DATA": str(tmp_path / "no-such-data")}
+    code, err = finish(run_template(path, tmp_path, **inputs))
+    assert code == 2 and "DATA=" in err and "does not exist" in err, err
+    assert srun_calls(tmp_path) == []
+
+
+@pytest.mark.parametrize("path", [p for p in LUMI if p.name != "smoke.sbatch"], ids=ids)
+def test_lumi_template_stops_and_requeues_at_the_time_limit(path: Path, tmp_path: Path):
+    """Slurm's USR1 warning to the batch shell reaches the training step, and after the step's
+    clean stop the job requeues itself (jobs/lib/time-limit.sh; for real: test_failures.py)."""
+    proc = run_template(path, tmp_path, FAKE_SRUN_WAIT="1", **template_inputs(tmp_path))
+    started = tmp_path / "log" / "step-started"
+    deadline = time.monotonic() + 60
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), finish(proc)
+    proc.send_signal(signal.SIGUSR1)
+    code, err = finish(proc)
+    assert code == 0, err
+    assert (tmp_path / "log" / "step-signals").read_text().split() == ["USR1"]
+    assert (tmp_path / "log" / "scontrol").read_text().split() == ["requeue", "77"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,6 +313,34 @@ def test_lumi_template_asks_for_lumis_partition(cluster, path: Path):
     assert "invalid partition" in proc.stderr.lower()
 
 
+def test_lumi_job_with_data_outside_the_binds_fails_before_any_step(cluster, tmp_path):
+    """On the real scheduler: the batch script stops with one line and exit 2, and Slurm ran no
+    step (srun never started)."""
+    outside = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="xscale-data-"))
+    try:
+        link = tmp_path / "data-link"
+        link.symlink_to(outside)
+        output = tmp_path / "mnist.out"
+        proc = subprocess.run(
+            ["sbatch", "--parsable", "-o", str(output), *VIRTUAL, "--nodes=2",
+             str(lumi("mnist.sbatch"))],
+            cwd=REPO, env=tool_env(virtual_env(tmp_path, DATA=str(link))),
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        job_id = proc.stdout.strip().split(";")[0]
+        cluster.wait_state(job_id, ENDED, WAIT_S)
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+    state, exit_code = cluster.job_state(job_id)
+    assert (state, exit_code) == ("FAILED", "2:0")
+    text = output.read_text()
+    errors = [line for line in text.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("xscale: error: DATA="), text
+    # Rank 0 announces itself when run.sh starts: no rank ever did.
+    assert "xscale: launcher=" not in text
+
+
 @pytest.mark.parametrize("path", LOCAL, ids=ids)
 def test_local_template_is_accepted_as_it_is(cluster, path: Path):
     proc = sbatch_test_only(path)
@@ -193,7 +364,10 @@ def virtual_masks(tasks_per_node: int = 2) -> str:
 
 def virtual_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The templates' parameters for the virtual cluster: what exists here instead of LUMI's."""
+    image = tmp_path / "xscale-test.sif"  # the shim ignores the image, but SIF must name a file
+    image.touch()
     env = {
+        "SIF": str(image),
         "CPU_MASKS": virtual_masks(),
         "BINDS": f"{REPO},{REPO}/runscripts:/runscripts,{tmp_path}",
         "USE_GPU": "0",
@@ -264,7 +438,7 @@ def gpt_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def imagenet_data(tmp_path_factory) -> tuple[Path, Path]:
-    """(ImageFolder named like the seed's data-resnet-small, a tarball of it)."""
+    """(ImageFolder named like the LUMI workshop's data-resnet-small, a tarball of it)."""
     root = tmp_path_factory.mktemp("imagenet")
     folder = root / "data-resnet-small"
     subprocess.run([sys.executable, "tests/fixtures/imagefolder.py", str(folder)], cwd=REPO,
@@ -426,15 +600,16 @@ LOGGER = '#!/bin/bash\nprintf "%s\\n" "${0##*/} $*" >>"$FAKE_MPI_LOG/tools"\n'
 
 
 @pytest.mark.parametrize("path", AURORA, ids=ids)
-def test_pbs_template_parses_and_has_the_aurora_header(path: Path):
+def test_pbs_template_parses_and_its_queue_takes_the_node_counts_it_names(path: Path):
     proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     text = path.read_text()
-    assert re.search(r"^#PBS -l select=\d+$", text, re.M)
     assert re.search(r"^#PBS -A \S+$", text, re.M)
-    assert f': "${{CPU_BIND_LIST:={SEED_AURORA_CPU_LIST}}}"' in text
-    assert '--cpu-bind="list:$CPU_BIND_LIST"' in text
-    assert "bash -c" not in text and "eval " not in text
+    queue = re.search(r"^#PBS -q (\S+)$", text, re.M).group(1)
+    low, high = AURORA_QUEUES[queue]
+    # The default and every node count the usage text suggests (qsub -l select=N) fit the queue.
+    counts = {int(n) for n in re.findall(r"select=(\d+)", text)}
+    assert counts and all(low <= n <= high for n in counts), (queue, counts)
 
 
 def run_pbs(path: Path, tmp_path: Path, nodes: list[str], **extra: str):
@@ -442,7 +617,7 @@ def run_pbs(path: Path, tmp_path: Path, nodes: list[str], **extra: str):
     bin_dir.mkdir()
     log.mkdir()
     for name, body in (("mpiexec", FAKE_MPIEXEC), ("module", LOGGER),
-                       ("launch_copper.sh", LOGGER)):
+                       ("launch_copper.sh", LOGGER), ("stop_copper.sh", LOGGER)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     nodefile = tmp_path / "nodefile"
@@ -451,7 +626,8 @@ def run_pbs(path: Path, tmp_path: Path, nodes: list[str], **extra: str):
         "PATH": os.pathsep.join([str(bin_dir), str(VENV_BIN), "/usr/bin", "/bin"]),
         "HOME": str(tmp_path), "USER": "alice", "FAKE_MPI_LOG": str(log),
         "PBS_O_WORKDIR": str(REPO), "PBS_JOBID": "4242.aurora-pbs-0001.hostmgmt.cm.aurora",
-        "PBS_NODEFILE": str(nodefile), "XSCALE_CACHE_ROOT": str(tmp_path), **extra,
+        "PBS_NODEFILE": str(nodefile), "XSCALE_CACHE_ROOT": str(tmp_path),
+        "COPPER_LOG_DIR": str(tmp_path / "copper-logs"), **extra,
     }
     proc = subprocess.run(["bash", str(path)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120, check=False)
@@ -464,8 +640,8 @@ def test_pbs_ranks_get_their_place_from_pals(path: Path, tmp_path: Path):
     nodes = ["x4102c5s2b0n0.hostmgmt2102.cm.aurora.alcf.anl.gov", "x4102c5s3b0n0"]
     log = run_pbs(path, tmp_path, nodes, LUS_CONDA_PATH="/lus/flare/projects/p/pkgs")
     argv = (log / "argv").read_text().splitlines()
-    # 2 nodes x 12 tiles, the seed's one-core-per-tile list, the environment to every rank.
-    assert argv[:6] == ["-n", "24", "--ppn", "12", f"--cpu-bind=list:{SEED_AURORA_CPU_LIST}",
+    # 2 nodes x 12 tiles, ALCF's four-cores-per-rank training list, the environment to every rank.
+    assert argv[:6] == ["-n", "24", "--ppn", "12", f"--cpu-bind=list:{ALCF_TRAINING_CPU_LIST}",
                         "--genvall"]
     payload = argv[6:]
     assert payload[:3] == [str(REPO / "runscripts" / "run.sh"), "python", "-u"]
@@ -477,13 +653,18 @@ def test_pbs_ranks_get_their_place_from_pals(path: Path, tmp_path: Path):
         assert (env["RANK"], env["WORLD_SIZE"]) == (str(rank), "24")
         assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(rank % 12), "12")
         assert (env["NODE_RANK"], env["NNODES"]) == (str(rank // 12), "2")
-        # MASTER_ADDR: the first line of PBS_NODEFILE, set by the job script for every rank.
-        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (nodes[0], port)
+        # MASTER_ADDR: the first node of PBS_NODEFILE on the high-speed network, the name ALCF's
+        # DDP example builds, set by the job script for every rank.
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (
+            "x4102c5s2b0n0.hsn.cm.aurora.alcf.anl.gov", port)
         assert env["XSCALE_SITE"] == "aurora"
         assert any(key.startswith("CCL_") for key in env), "the aurora site set no oneCCL value"
     # Copper: the frameworks module, then copper, then packages imported from Copper's mirror.
     tools = (log / "tools").read_text().splitlines()
-    assert tools == ["module load frameworks", "module load copper", "launch_copper.sh "]
+    # Started with a log directory, and stopped with it when the job script ends.
+    logs = tmp_path / "copper-logs"
+    assert tools == ["module load frameworks", "module load copper",
+                     f"launch_copper.sh -d {logs}", f"stop_copper.sh -d {logs}"]
     pythonpath = (log / "pythonpath").read_text().strip()
     assert pythonpath.split(":")[0] == "/tmp/alice/copper/lus/flare/projects/p/pkgs"
 

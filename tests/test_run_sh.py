@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -99,7 +100,9 @@ def test_slurm_recorded_from_real_srun(tmp_path):
 
 @pytest.mark.parametrize(
     ("tasks_per_node", "node", "local_world"),
-    [("8(x2),4", 0, 8), ("8(x2),4", 1, 8), ("8(x2),4", 2, 4), ("3,5(x2)", 2, 5), ("16", 0, 16)],
+    [("8(x2),4", 0, 8), ("8(x2),4", 1, 8), ("8(x2),4", 2, 4), ("3,5(x2)", 2, 5), ("16", 0, 16),
+     # Leading zeros are decimal, not octal (bash's printf would stop at "08").
+     ("08", 0, 8), ("08(x02),09", 2, 9)],
 )
 def test_slurm_compressed_tasks_per_node(tmp_path, tasks_per_node, node, local_world):
     slurm = {
@@ -200,6 +203,11 @@ def test_mpi_without_master_is_a_clear_error(tmp_path):
         ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
           "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "nid[1-"},
          "SLURM_JOB_NODELIST"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
+          "SLURM_TASKS_PER_NODE": "2(x)", "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "n1"},
+         "tasks per node"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "99999999999"},
+         "SLURM_NTASKS"),
     ],
 )
 def test_bad_rank_variables_stop_before_exec(tmp_path, variables, named):
@@ -232,6 +240,62 @@ def test_port_matches_formula_and_differs_between_jobs_and_steps(tmp_path):
         ports[job, step] = print_env(base_env(tmp_path, **slurm))["MASTER_PORT"]
         assert ports[job, step] == expected_port(job, step)
     assert len(set(ports.values())) == 3
+
+
+@pytest.mark.parametrize(
+    "port", ["http", "70000", "65536", "0", "00000", "", " 80", "80 ", "-1", "1e3", "0x50",
+             "12345678901234567890123456"],
+)
+def test_bad_master_port_stops_before_exec(tmp_path, port):
+    marker = tmp_path / "ran"
+    env = base_env(tmp_path, **recorded_slurm_env(), MASTER_PORT=port)
+    assert_user_error(run(["touch", str(marker)], env), "MASTER_PORT")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("port", ["1", "65535", "08080"])
+def test_any_port_number_is_accepted(tmp_path, port):
+    assert print_env(base_env(tmp_path, MASTER_PORT=port))["MASTER_PORT"] == port
+
+
+@pytest.mark.parametrize("addr", ["", "node 1", "node1\t", " node1", "a\nb"])
+def test_bad_master_addr_stops_before_exec(tmp_path, addr):
+    marker = tmp_path / "ran"
+    env = base_env(tmp_path, **recorded_slurm_env(), MASTER_ADDR=addr)
+    assert_user_error(run(["touch", str(marker)], env), "MASTER_ADDR")
+    assert not marker.exists()
+
+
+def mpi_rank_env(tmp_path: Path, rank: int, **job: str) -> dict[str, str]:
+    """Open MPI rank RANK of 4 started by mpirun outside any scheduler."""
+    return base_env(
+        tmp_path, OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="4",
+        OMPI_COMM_WORLD_LOCAL_RANK=str(rank % 2), OMPI_COMM_WORLD_LOCAL_SIZE="2",
+        MASTER_ADDR="node1", **job,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "first", "second"),
+    [
+        ("PMIX_NAMESPACE", "prterun-login1-81234@1", "prterun-login1-81235@1"),
+        ("OMPI_MCA_ess_base_jobid", "3960602625", "3960602626"),
+        ("PALS_APID", "5e7d2a1c-61f3-4c4e-9b0b-6a7c1d2e3f40",
+         "5e7d2a1c-61f3-4c4e-9b0b-6a7c1d2e3f41"),
+    ],
+)
+def test_mpi_without_a_scheduler_derives_one_port_for_all_ranks(tmp_path, name, first, second):
+    ports = {print_env(mpi_rank_env(tmp_path, rank, **{name: first}))["MASTER_PORT"]
+             for rank in range(4)}
+    assert len(ports) == 1, ports
+    port = int(ports.pop())
+    assert 10000 <= port <= 32767
+    # Another launch (the next job id or namespace) gets another port.
+    assert print_env(mpi_rank_env(tmp_path, 0, **{name: second}))["MASTER_PORT"] != str(port)
+
+
+def test_mpi_without_any_job_id_asks_for_master_port(tmp_path):
+    assert_user_error(run(["true"], mpi_rank_env(tmp_path, 1)), "MASTER_PORT")
 
 
 def test_user_settings_win(tmp_path):
@@ -433,14 +497,60 @@ def test_unwritable_log_dir_is_an_error(tmp_path):
     )
 
 
+def test_only_the_current_async_error_handling_name_is_exported(tmp_path):
+    # torch >= 2.2 warns on every rank when it finds the old NCCL_ASYNC_ERROR_HANDLING.
+    env = print_env(base_env(tmp_path, **recorded_slurm_env()))
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "NCCL_ASYNC_ERROR_HANDLING" not in env
+
+
+def rocm_release(tmp_path: Path, version: str | None) -> str:
+    """A ROCM_PATH whose .info/version holds VERSION (none at all when VERSION is None)."""
+    root = tmp_path / f"rocm-{version}"
+    (root / ".info").mkdir(parents=True, exist_ok=True)
+    if version is not None:
+        (root / ".info" / "version").write_text(f"{version}\n")
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    ("version", "user", "expected"),
+    [
+        ("6.1.3-122", {}, "PHB"),            # LUMI's DeepSpeed image: RCCL does not default to PHB
+        ("5.7.1", {}, "PHB"),
+        ("6.2.4", {}, None),                 # PHB is RCCL's own default from 6.2
+        ("7.0.0-38", {}, None),              # forcing it hangs init on ROCm 7 images
+        (None, {}, None),                    # no ROCm release file: leave RCCL alone
+        ("garbage", {}, None),
+        ("6.1.3", {"NCCL_NET_GDR_LEVEL": "SYS"}, "SYS"),
+        ("6.2.4", {"XSCALE_NCCL_NET_GDR_LEVEL": "3"}, "3"),
+    ],
+)
+def test_lumi_gdr_level_follows_the_images_rocm(tmp_path, version, user, expected):
+    rocm = rocm_release(tmp_path, version)
+    env = print_env(base_env(tmp_path, XSCALE_SITE="lumi", ROCM_PATH=rocm, **user))
+    assert env.get("NCCL_NET_GDR_LEVEL", user.get("NCCL_NET_GDR_LEVEL")) == expected
+
+
 def test_sites(tmp_path):
-    lumi = print_env(base_env(tmp_path, XSCALE_SITE="lumi", **recorded_slurm_env()))
+    lumi = print_env(base_env(tmp_path, XSCALE_SITE="lumi", ROCM_PATH=str(tmp_path / "none"),
+                              **recorded_slurm_env()))
     assert lumi["NCCL_SOCKET_IFNAME"] == "hsn0,hsn1,hsn2,hsn3"
     assert lumi["MIOPEN_USER_DB_PATH"].startswith(lumi["XSCALE_CACHE_DIR"])
     assert lumi["MIOPEN_CUSTOM_CACHE_DIR"] == lumi["MIOPEN_USER_DB_PATH"]
     assert "NCCL_NET_GDR_LEVEL" not in lumi
-    asked = print_env(base_env(tmp_path, XSCALE_SITE="lumi", XSCALE_NCCL_NET_GDR_LEVEL="PHB"))
-    assert asked["NCCL_NET_GDR_LEVEL"] == "PHB"
+    aurora = print_env(base_env(tmp_path, XSCALE_SITE="aurora"))
+    # ALCF's minimal functional set for oneCCL training on Aurora.
+    assert aurora["FI_MR_CACHE_MONITOR"] == "userfaultfd"
+    assert (aurora["CCL_PROCESS_LAUNCHER"], aurora["CCL_ATL_TRANSPORT"],
+            aurora["CCL_KVS_MODE"]) == ("pmix", "mpi", "mpi")
+    slingshot = print_env(base_env(tmp_path, XSCALE_SITE="nvidia-slingshot"))
+    assert slingshot["NCCL_NET"] == "AWS Libfabric"
+    assert (slingshot["FI_MR_CACHE_MONITOR"], slingshot["FI_CXI_DISABLE_HOST_REGISTER"]) == (
+        "userfaultfd", "1")
+    assert slingshot["NCCL_SOCKET_IFNAME"] == "hsn"
+    infiniband = print_env(base_env(tmp_path, XSCALE_SITE="nvidia"))
+    assert not any(key.startswith(("NCCL_", "FI_")) for key in infiniband)
     generic = print_env(base_env(tmp_path))
     assert "NCCL_SOCKET_IFNAME" not in generic
     detected = base_env(tmp_path, SLURM_CLUSTER_NAME="lumi")
@@ -523,3 +633,79 @@ def test_profile_exports_the_step_window(tmp_path):
     assert (tmp_path / "prof" / "rank14").is_dir()
     other = print_env(profile_env(tmp_path, 1, "14"), RUN_PROFILE)
     assert "XSCALE_PROFILED" not in other
+
+
+def test_missing_profiler_stops_every_rank_before_anything_runs(tmp_path):
+    marker = tmp_path / "ran"
+    for rank in (0, 5):  # the profiled rank and one that would run the command plainly
+        env = profile_env(tmp_path, rank, "0")
+        env["PROFILER"] = "no-such-profiler-xscale -o {dir}/rank{rank} --"
+        proc = run(["touch", str(marker)], env, RUN_PROFILE)
+        assert_user_error(proc, "'no-such-profiler-xscale'", "PROFILER")
+    assert not marker.exists()
+
+
+def test_generic_sites_default_profiler_missing_is_named(tmp_path):
+    # py-spy (the generic default) is not in /usr/bin or /bin here; the venv is left off PATH.
+    env = profile_env(tmp_path, 0, "0")
+    del env["PROFILER"]
+    env["PATH"] = "/usr/bin:/bin"
+    assert_user_error(run(["true"], env, RUN_PROFILE), "'py-spy'", "PROFILER")
+
+
+# --- site detection on a node that looks like Polaris, Alps, Aurora (bubblewrap) ------------------
+
+def fake_node(tmp_path: Path, *, nvidia: bool = False, cxi: bool = False,
+              drm_vendors: tuple[str, ...] = ()) -> list[str]:
+    """A bwrap prefix: this machine's root with a fresh /dev and /sys/class holding only the
+    devices asked for (NVIDIA's control device, a Slingshot CXI NIC, DRM cards of PCI vendors)."""
+    if not shutil.which("bwrap"):
+        pytest.skip("bubblewrap is needed to fake a node's devices")
+    empty = tmp_path / "device"
+    empty.touch()
+    args = ["bwrap", "--bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+            "--tmpfs", "/sys/class"]
+    if nvidia:
+        args += ["--ro-bind", str(empty), "/dev/nvidiactl"]
+    if cxi:
+        args += ["--ro-bind", str(empty), "/dev/cxi0", "--dir", "/sys/class/cxi"]
+    for card, vendor in enumerate(drm_vendors):
+        vendor_file = tmp_path / f"vendor{card}"
+        vendor_file.write_text(f"{vendor}\n")
+        args += ["--dir", f"/sys/class/drm/card{card}/device",
+                 "--ro-bind", str(vendor_file), f"/sys/class/drm/card{card}/device/vendor"]
+    probe = subprocess.run([*args, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"bubblewrap cannot create a sandbox here: {probe.stderr.strip()}")
+    return [*args, "--"]
+
+
+PALS_RANK = {"PALS_RANKID": "0", "PALS_LOCAL_RANKID": "0", "PMI_SIZE": "1", "PALS_APID": "7"}
+
+
+@pytest.mark.parametrize(
+    ("node", "launcher", "site"),
+    [
+        ({"nvidia": True}, {}, "nvidia"),                               # InfiniBand cluster
+        ({"nvidia": True, "cxi": True}, {}, "nvidia-slingshot"),        # Alps, Isambard-AI
+        ({"nvidia": True, "cxi": True}, PALS_RANK, "nvidia-slingshot"),  # Polaris: PBS + PALS
+        ({"drm_vendors": ("0x1a03", "0x8086"), "cxi": True}, PALS_RANK, "aurora"),
+        ({"cxi": True}, PALS_RANK, "generic"),                          # PALS alone is not Aurora
+        ({"drm_vendors": ("0x8086",)}, {}, "generic"),                  # a laptop's Intel graphics
+        ({}, {}, "generic"),
+    ],
+)
+def test_site_is_detected_from_the_nodes_devices(tmp_path, node, launcher, site):
+    env = base_env(tmp_path, **launcher)
+    del env["XSCALE_SITE"]
+    proc = subprocess.run([*fake_node(tmp_path, **node), str(RUN_SH), "--print-env"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert env_lines(proc.stdout)["XSCALE_SITE"] == site
+
+
+def test_explicit_site_wins_over_detection(tmp_path):
+    env = base_env(tmp_path, XSCALE_SITE="aurora", **PALS_RANK)
+    proc = subprocess.run([*fake_node(tmp_path, nvidia=True, cxi=True), str(RUN_SH),
+                           "--print-env"], env=env, capture_output=True, text=True, timeout=30)
+    assert env_lines(proc.stdout)["XSCALE_SITE"] == "aurora"

@@ -43,7 +43,7 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(an ImageFolder named like the seed's data-resnet-small, a tarball of it)."""
+    """(an ImageFolder named like the LUMI workshop's data-resnet-small, a tarball of it)."""
     root = tmp_path_factory.mktemp("imagenet")
     folder = write_imagefolder(root / "data-resnet-small")
     return folder, write_tar(folder, root / "data-resnet-small.tar")
@@ -193,7 +193,7 @@ def test_mnist_one_process_reads_gzip_in_torchvision_layout_and_saves_the_model(
     assert record["loss_last"] < 0.5 * record["loss_first"]
     assert record["test_samples"] == 256 and record["accuracy"] > 0.8
     weights = torch.load(tmp_path / "model" / "model_cpu.dat", weights_only=True)
-    assert "conv1.weight" in weights  # seed 003's state_dict file
+    assert "conv1.weight" in weights  # mnist_DDP.py's state_dict file
 
 
 def test_mnist_resume_continues_exactly_where_it_stopped(mnist_dir, tmp_path):
@@ -293,10 +293,10 @@ def test_imagenet_on_two_nodes_with_the_seed_command_line_then_resumes(cluster, 
                                                                         tmp_path):
     folder, tarball = images
     out = tmp_path / "out"
-    # Seed 000's pytorch/examples options, with run.sh filling in each rank's values.
-    seed_style = ["--world-size", "$WORLD_SIZE", "--rank", "$RANK",
+    # The LUMI workshop's pytorch/examples options, with run.sh filling in each rank's values.
+    workshop_style = ["--world-size", "$WORLD_SIZE", "--rank", "$RANK",
                   "--dist-url", "tcp://$MASTER_ADDR:$MASTER_PORT", "--dist-backend", "gloo"]
-    first = check_run(srun(cluster, IMAGENET, *VISION_TINY, *seed_style, "--max-steps", "12",
+    first = check_run(srun(cluster, IMAGENET, *VISION_TINY, *workshop_style, "--max-steps", "12",
                            "--output-dir", str(out), str(folder)), "imagenet", 12, 0)
     assert first["loss_last"] < 0.5 * first["loss_first"]
     assert first["batch_size"] == 16 and first["global_batch_size"] == 64  # 32 per node

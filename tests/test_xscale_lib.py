@@ -397,7 +397,8 @@ def test_two_ranks_reduce_sums_not_averages_and_agree(tmp_path):
 
 
 def test_exit_cleanly_keeps_the_status_every_time(tmp_path):
-    """The gloo abort at interpreter exit (DESIGN.md) must never replace the chosen status."""
+    """The gloo abort at interpreter exit (pytorch/pytorch issue 190489) must never replace the
+    chosen status."""
     program = ("from xscale import shutdown\nfrom xscale.dist import init_distributed\n"
                "import os, torch\nctx = init_distributed()\n"
                "torch.distributed.all_reduce(torch.ones(1))\nprint('done', flush=True)\n"

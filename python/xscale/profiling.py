@@ -1,8 +1,8 @@
 """A profiling window of PROFILE_STEPS steps from step PROFILE_STEP_START, on the chosen ranks.
 
 Profiling every step of every rank drowns the profiler and the file system; training is
-balanced, so a few dozen steps of one rank tell the story (seed 000 profiles rank 14 for 32
-steps). Two ways, chosen by what run.sh / run-profile.sh exported for this rank:
+balanced, so a few dozen steps of one rank tell the story (the LUMI AI workshop, E09, profiles
+rank 14 for 32 steps). Two ways, chosen by what run.sh / run-profile.sh exported for this rank:
 
 - XSCALE_PROFILED=1: an external profiler (rocprof, nsys) already wraps this process. On a GPU
   the window is marked for it: cudaProfilerStart/Stop (hipProfilerStart/Stop on ROCm) at its

@@ -1,4 +1,5 @@
-"""Pre-staging a data set into node-local storage (seed 000, "Pre-stage in memory").
+"""Pre-staging a data set into node-local storage (LUMI AI workshop, E09
+"Extreme scale AI", "Pre-stage in memory").
 
 Reading a million small JPEGs from Lustre starves the GPUs; reading one tarball is cheap.
 LUMI-G nodes have no local SSD but their /tmp lives in RAM, so each node unpacks the tarball

@@ -29,7 +29,7 @@ def architectures() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, workers_per: str) -> None:
-    """pytorch/examples/imagenet's options (as seed 000 passes them) plus xscale's."""
+    """pytorch/examples/imagenet's options (as LUMI's AI workshop passes them) plus xscale's."""
     parser.add_argument("data", metavar="DIR", nargs="?", type=Path, default=None,
                         help="ImageFolder root with train/ (and val/): DIR/train/CLASS/*.jpg")
     parser.add_argument("-a", "--arch", metavar="ARCH", default="resnet18",
@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, workers_per: str) -> None:
     parser.add_argument("--epochs", type=int, default=90, metavar="N")
     parser.add_argument("-b", "--batch-size", type=int, default=256, metavar="N",
                         help="images per step on each node, divided among its ranks "
-                             "(pytorch/examples' meaning: seed 000 passes 8*512 for 512 per GCD)")
+                             "(pytorch/examples' meaning: LUMI's workshop passes 8*512 for 512 per "
+                             "GCD)")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
     parser.add_argument("-p", "--print-freq", type=int, default=10, metavar="N",
@@ -55,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, workers_per: str) -> None:
                         help="nccl (RCCL on ROCm) or gloo (default: XSCALE_BACKEND, else by "
                              "device)")
     parser.add_argument("--gpu", type=int, default=None, metavar="ID",
-                        help="GPU id to use (seed 000 passes $SLURM_LOCALID; default LOCAL_RANK)")
+                        help="GPU id to use (LUMI's workshop passes $SLURM_LOCALID; default "
+                             "LOCAL_RANK)")
     parser.add_argument("--multiprocessing-distributed", action="store_true",
                         help=argparse.SUPPRESS)
     parser.add_argument("--image-size", type=int, default=224, metavar="PX",

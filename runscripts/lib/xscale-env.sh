@@ -5,9 +5,10 @@
 # it uses bash builtins only: no subshells, no external commands on the common path. A forked
 # process costs about a millisecond; Python costs tens.
 #
-# Contract (see DESIGN.md): export RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK,
-# NNODES, MASTER_ADDR, MASTER_PORT for whichever launcher started us; every default can be
-# overridden by setting the variable first; user errors are one line and exit 2.
+# Contract (docs/ARCHITECTURE.md, "runscripts/"): export RANK, WORLD_SIZE, LOCAL_RANK,
+# LOCAL_WORLD_SIZE, NODE_RANK, NNODES, MASTER_ADDR, MASTER_PORT for whichever launcher started us;
+# every default can be overridden by setting the variable first; every value read from the
+# environment is checked, and a bad one is one line on stderr and exit 2, before anything runs.
 
 XS_LIB_DIR=${BASH_SOURCE[0]%/*}
 # shellcheck source=runscripts/lib/hostlist.sh
@@ -20,8 +21,13 @@ XS_SITE=generic
 XS_GPU_VENDOR=none
 XS_PROFILER_DEFAULT='py-spy record -o {dir}/rank{rank}.svg --'
 
+# Errors are one line whatever the bad value holds: newlines and carriage returns in it are shown
+# as \n and \r.
 xs_die() {
-  printf '%s: error: %s\n' "$XS_PROG" "$*" >&2
+  local message=$*
+  message=${message//$'\n'/\\n}
+  message=${message//$'\r'/\\r}
+  printf '%s: error: %s\n' "$XS_PROG" "$message" >&2
   exit 2
 }
 
@@ -117,6 +123,8 @@ xs_read_number() {
   if xs_first_set value "$2"; then
     [[ $value =~ ^[0-9]+$ ]] \
       || xs_die "$XS_SOURCE_VAR='$value' is not a whole number (launcher: $XS_LAUNCHER)"
+    # Nine digits keep the arithmetic below exact; no launcher numbers a billion ranks.
+    ((${#value} <= 9)) || xs_die "$XS_SOURCE_VAR='$value' is out of range (launcher: $XS_LAUNCHER)"
     printf -v "$1" '%d' "$((10#$value))"
   else
     printf -v "$1" '%s' ""
@@ -124,15 +132,16 @@ xs_read_number() {
 }
 
 # Slurm gives tasks per node in compressed form, e.g. "8(x2),4": 8 on each of the first two
-# nodes, 4 on the third. Return the count for node index $2.
+# nodes, 4 on the third. Return the count for node index $2. Every number is read as decimal
+# (10#): bash would take "08" for a bad octal number.
 xs_tasks_on_node() {
   local node=$2 group count repeat
   xs_split_commas "$3"
   for group in "${XS_ITEMS[@]}"; do
-    if [[ $group =~ ^([0-9]+)\(x([0-9]+)\)$ ]]; then
-      count=${BASH_REMATCH[1]} repeat=${BASH_REMATCH[2]}
-    elif [[ $group =~ ^[0-9]+$ ]]; then
-      count=$group repeat=1
+    if [[ $group =~ ^([0-9]{1,9})\(x([0-9]{1,9})\)$ ]]; then
+      count=$((10#${BASH_REMATCH[1]})) repeat=$((10#${BASH_REMATCH[2]}))
+    elif [[ $group =~ ^[0-9]{1,9}$ ]]; then
+      count=$((10#$group)) repeat=1
     else
       xs_die "cannot read tasks per node '$3'"
     fi
@@ -191,9 +200,16 @@ xs_export_layout() {
 
 # MASTER_ADDR is best set by the job script, outside the container; without it, the first host of
 # the Slurm node list (parsed here: there are no Slurm tools inside the container) or of PBS's
-# node file.
+# node file. A value the user set is checked, not trusted: an empty one (a failed
+# `$(scontrol ...)` in the job script) or one with blanks would only fail later, inside torch.
 xs_master_addr() {
-  [[ -n ${MASTER_ADDR:-} ]] && { xs_default MASTER_ADDR "$MASTER_ADDR"; return; }
+  if [[ -v MASTER_ADDR ]]; then
+    [[ -n $MASTER_ADDR ]] || xs_die "MASTER_ADDR is set but empty; export the first node's name, or unset it"
+    [[ $MASTER_ADDR != *[[:space:]]* ]] \
+      || xs_die "MASTER_ADDR='$MASTER_ADDR' contains blanks; it must be one host name or address"
+    xs_default MASTER_ADDR "$MASTER_ADDR"
+    return
+  fi
   local list first
   if xs_first_set list SLURM_STEP_NODELIST,SLURM_JOB_NODELIST,SLURM_NODELIST; then
     xs_hostlist_first "$list" || xs_die "$XS_SOURCE_VAR: $XS_HOSTLIST_ERROR"
@@ -210,47 +226,115 @@ xs_master_addr() {
   xs_default MASTER_ADDR "$first"
 }
 
+# Launcher variables that name the job (or the MPI application) and are the same on every rank,
+# for MPI launches outside a scheduler: PMIx's namespace (Open MPI 5, and any PMIx launcher),
+# Open MPI 4's job id, Cray PALS's application id.
+XS_JOB_NAME_VARS=PMIX_NAMESPACE,OMPI_MCA_ess_base_jobid,OMPI_MCA_orte_ess_jobid,PALS_APID
+
+# xs_string_hash OUT STRING: OUT=32-bit FNV-1a hash of STRING's characters, in bash arithmetic
+# (no process); the same string gives the same number on every rank.
+xs_string_hash() {
+  local text=$2 code i hash=2166136261
+  for ((i = 0; i < ${#text}; i++)); do
+    printf -v code '%d' "'${text:i:1}"
+    hash=$(( ((hash ^ code) * 16777619) & 0xffffffff ))
+  done
+  printf -v "$1" '%d' "$hash"
+}
+
 # MASTER_PORT = 10000 + (16 * job id + step id mod 16) mod 22768, the same on every rank of a
 # step. Consecutive job ids (the usual neighbours on a shared node) and up to 16 concurrent steps
 # of one job get distinct ports; the range 10000-32767 stays below Linux's ephemeral ports
 # (32768+), so an outgoing connection cannot already hold it. A fixed 29500 makes every second job
-# on a node fail with "address already in use".
+# on a node fail with "address already in use". Without a scheduler job id, a hash of the MPI
+# launcher's job name stands in for it.
 xs_master_port() {
-  [[ -n ${MASTER_PORT:-} ]] && { xs_default MASTER_PORT "$MASTER_PORT"; return; }
-  local job="" step=0
+  if [[ -v MASTER_PORT ]]; then
+    # Five digits at most before the arithmetic, so that a long number cannot wrap into range.
+    if [[ ! $MASTER_PORT =~ ^[0-9]{1,5}$ ]] || (( 10#$MASTER_PORT < 1 || 10#$MASTER_PORT > 65535 )); then
+      xs_die "MASTER_PORT='$MASTER_PORT' is not a port number (a whole number from 1 to 65535)"
+    fi
+    xs_default MASTER_PORT "$MASTER_PORT"
+    return
+  fi
+  local job="" step=0 launch_name
   if [[ -n ${SLURM_JOB_ID:-} ]]; then
     job=$SLURM_JOB_ID step=${SLURM_STEP_ID:-0}
   elif [[ ${PBS_JOBID:-} =~ ^([0-9]+) ]]; then
     job=${BASH_REMATCH[1]}
+  elif xs_first_set launch_name "$XS_JOB_NAME_VARS"; then
+    xs_string_hash job "$launch_name"
   elif (( XS_WORLD_SIZE == 1 )); then
     job=$$   # a lone process: any port that differs between processes will do
   else
-    xs_die "MASTER_PORT is not set and there is no Slurm or PBS job id to derive it from; export MASTER_PORT"
+    xs_die "MASTER_PORT is not set and launcher '$XS_LAUNCHER' gives no job id to derive it from; export MASTER_PORT"
   fi
-  [[ $job =~ ^[0-9]+$ ]] || xs_die "job id '$job' is not a number; export MASTER_PORT"
-  [[ $step =~ ^[0-9]+$ ]] || step=0   # "batch"/"extern" steps never host a rendezvous
-  xs_default MASTER_PORT "$((10000 + (16 * 10#$job + 10#$step % 16) % 22768))"
+  [[ $job =~ ^[0-9]{1,18}$ ]] || xs_die "job id '$job' is not a number; export MASTER_PORT"
+  [[ $step =~ ^[0-9]{1,9}$ ]] || step=0   # "batch"/"extern" steps never host a rendezvous
+  xs_default MASTER_PORT "$((10000 + (16 * (10#$job % 22768) + 10#$step % 16) % 22768))"
 }
 
 # ---------------------------------------------------------------------------------------------
 # Site profile
 # ---------------------------------------------------------------------------------------------
 
-# Cheap detection (file tests and variables only); XSCALE_SITE always wins.
+# Cheap detection (file tests, variables and small sysfs reads only); XSCALE_SITE always wins.
+#   lumi              LUMI's cluster name, or the Cray stack (/opt/cray) with AMD's GPU device
+#   nvidia-slingshot  NVIDIA GPUs on a Slingshot (CXI) network: Polaris, Alps, Isambard-AI
+#   nvidia            other NVIDIA GPUs (InfiniBand, RoCE)
+#   aurora            Intel GPUs under PALS or with Aurora's /opt/aurora software tree
+#   generic           anything else
+# A PBS/PALS job is not necessarily Aurora: Polaris is PBS + PALS with NVIDIA GPUs, so the GPU
+# decides, not the launcher.
 xs_detect_site() {
   if [[ -n ${XSCALE_SITE:-} ]]; then
     XS_SITE=$XSCALE_SITE
   elif [[ ${SLURM_CLUSTER_NAME:-} == lumi || ( -d /opt/cray && -e /dev/kfd ) ]]; then
     XS_SITE=lumi
-  elif [[ -n ${PALS_APID:-}${PALS_RANKID:-} ]]; then
-    XS_SITE=aurora
   elif [[ -e /dev/nvidiactl ]]; then
-    XS_SITE=nvidia
+    if xs_has_cxi_nic; then XS_SITE=nvidia-slingshot; else XS_SITE=nvidia; fi
+  elif xs_has_intel_gpu && [[ -n ${PALS_APID:-}${PALS_RANKID:-} || -d /opt/aurora ]]; then
+    XS_SITE=aurora
   else
     XS_SITE=generic
   fi
   [[ $XS_SITE =~ ^[a-z0-9_-]+$ && -r $XS_LIB_DIR/../sites/$XS_SITE.sh ]] \
-    || xs_die "unknown XSCALE_SITE '$XS_SITE' (have: lumi, aurora, nvidia, generic)"
+    || xs_die "unknown XSCALE_SITE '$XS_SITE' (have: lumi, aurora, nvidia, nvidia-slingshot, generic)"
+}
+
+# HPE Slingshot 11 NICs are driven by the cxi driver, which creates /dev/cxiN and /sys/class/cxi.
+xs_has_cxi_nic() {
+  local device
+  [[ -d /sys/class/cxi ]] && return 0
+  for device in /dev/cxi[0-9]*; do
+    [[ -e $device ]] && return 0
+  done
+  return 1
+}
+
+# True when a DRM device of PCI vendor 0x8086 (Intel) is present. A read of a sysfs file per
+# device; the glob and `read` are builtins.
+xs_has_intel_gpu() {
+  local vendor_file vendor
+  for vendor_file in /sys/class/drm/card[0-9]*/device/vendor; do
+    [[ -r $vendor_file ]] || continue
+    read -r vendor <"$vendor_file" || continue
+    [[ $vendor == 0x8086 ]] && return 0
+  done
+  return 1
+}
+
+# xs_rocm_older_than MAJOR MINOR: true when the image's ROCm release is known and older than
+# MAJOR.MINOR. The release comes from the one-line file every ROCm installation carries (e.g.
+# "6.1.3-122" in ${ROCM_PATH:-/opt/rocm}/.info/version), read with `read`: no process. Unknown
+# (no such file, another format) is "not older": the caller then keeps the library's own default.
+xs_rocm_older_than() {
+  local file=${ROCM_PATH:-/opt/rocm}/.info/version line="" major minor
+  [[ -r $file ]] || return 1
+  read -r line <"$file" || true
+  [[ $line =~ ^([0-9]{1,4})\.([0-9]{1,4}) ]] || return 1
+  major=$((10#${BASH_REMATCH[1]})) minor=$((10#${BASH_REMATCH[2]}))
+  (( major < $1 || (major == $1 && minor < $2) ))
 }
 
 xs_load_site() {
@@ -381,9 +465,11 @@ xs_failure_defaults() {
   # A rank that dies must not leave the others blocked in a collective forever: NCCL/RCCL's
   # watchdog then aborts the communicator and the process, and Slurm's --kill-on-bad-exit ends
   # the step. ROCm's torch drives RCCL through the same ProcessGroupNCCL, so the same variable
-  # serves both; torch before 2.2 (older LUMI images) reads it without the TORCH_ prefix.
+  # serves both. Only the TORCH_ name: torch >= 2.2 still reads the old NCCL_ASYNC_ERROR_HANDLING
+  # but then warns on every rank that it is deprecated (c10d's getCvar*, see
+  # torch/csrc/distributed/c10d/Utils.hpp upstream; the warning is in torch 2.14.1's
+  # libtorch_cuda.so), and every image xscale builds on ships torch >= 2.2 (constraints.txt).
   xs_default TORCH_NCCL_ASYNC_ERROR_HANDLING 1
-  xs_default NCCL_ASYNC_ERROR_HANDLING "$TORCH_NCCL_ASYNC_ERROR_HANDLING"
   xs_default XSCALE_TIMEOUT_S 600
 }
 
@@ -489,8 +575,9 @@ xs_activate_container_python() {
 # Arguments: byte-exact, except $NAME / ${NAME} of an exported variable, expanded per rank
 # ---------------------------------------------------------------------------------------------
 
-# The seed passes '--rank \$SLURM_PROCID' so that each rank sees its own number; we expand exactly
-# that form and nothing else: ${X:-y}, $(...), $1, a lone $ and names not exported stay as typed.
+# LUMI's workshop scripts pass '--rank \$SLURM_PROCID' so that each rank sees its own number; we
+# expand exactly that form and nothing else: ${X:-y}, $(...), $1, a lone $ and names not exported
+# stay as typed.
 xs_expand_args() {
   XS_ARGS=()
   local arg
@@ -595,19 +682,35 @@ xs_profiler_words() {
   ((${#XS_PROFILER_WORDS[@]})) || xs_die "PROFILER is empty"
 }
 
+# Every rank, not only the profiled ones, checks that the profiler is installed in the image
+# (after the image's Python environment is active, since that may put it on PATH): then a missing
+# one stops the whole job with one line before any rank starts training, instead of bash's
+# "exec: NAME: not found" (exit 127) from one rank while the others wait for it. `type -P` is
+# a builtin PATH search.
+xs_check_profiler() {
+  local tool=${XS_PROFILER_WORDS[0]}
+  if [[ $tool == */* ]]; then
+    [[ -x $tool && ! -d $tool ]] && return 0
+  elif type -P -- "$tool" >/dev/null; then
+    return 0
+  fi
+  xs_die "profiler '$tool' is not installed in this image (not on PATH); install it, or choose another with PROFILER='CMD ... {dir} {rank}'"
+}
+
 xs_setup_profiling() {
   xs_select_profile_rank
-  # The seed profiles 32 steps; trainers skip the first 10 so start-up and autotuning stay out.
+  # 32 steps, as LUMI's AI workshop profiles (docs/ARCHITECTURE.md, sources); trainers skip the
+  # first 10 so start-up and autotuning stay out of the trace.
   xs_default PROFILE_STEP_START 10
   xs_default PROFILE_STEPS 32
   [[ $PROFILE_STEP_START =~ ^[0-9]+$ ]] || xs_die "PROFILE_STEP_START='$PROFILE_STEP_START' is not a whole number"
   [[ $PROFILE_STEPS =~ ^[0-9]+$ ]] || xs_die "PROFILE_STEPS='$PROFILE_STEPS' is not a whole number"
   xs_default PROFILE_DIR "$PWD/profile-${SLURM_JOB_ID:-${PBS_JOBID:-$XS_RANK.$$}}"
+  xs_profiler_words
   ((XS_PROFILE_THIS_RANK)) || return 0
   xs_default XSCALE_PROFILED 1
   mkdir -p -- "$PROFILE_DIR/rank$XS_RANK" 2>/dev/null \
     || xs_die "cannot create PROFILE_DIR '$PROFILE_DIR'"
-  xs_profiler_words
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -630,8 +733,9 @@ xs_main() {
   fi
   (($#)) || xs_die "no command given (usage: $XS_PROG CMD [ARGS...]; see --help)"
   xs_check_socket_interfaces
-  xs_announce
   xs_activate_container_python
+  [[ $mode == profile ]] && xs_check_profiler
+  xs_announce
   xs_expand_args "$@"
   if [[ $mode == profile ]] && ((XS_PROFILE_THIS_RANK)); then
     exec "${XS_PROFILER_WORDS[@]}" "${XS_ARGS[@]}"

@@ -58,8 +58,10 @@ xs_default FI_CXI_DEFAULT_CQ_SIZE 1048576
 xs_default FI_CXI_OFLOW_BUF_SIZE 8388608
 xs_default FI_CXI_CQ_FILL_PERCENT 30
 xs_default FI_CXI_RX_MATCH_MODE hybrid
-# Memory-registration cache monitors off (host and Level Zero), as in the same ALCF list. The
-# cache monitor is a known source of hangs for collectives over Slingshot (the Isambard-AI NCCL
-# guide changes it for that reason); export FI_MR_CACHE_MONITOR yourself to measure otherwise.
-xs_default FI_MR_CACHE_MONITOR disabled
+# The memory-registration cache monitor: userfaultfd, as in ALCF's "minimal set" (the settings it
+# calls essential for training and tested up to 1024 nodes); `disabled` is only in its
+# application-dependent list. Source: ALCF user guide, Aurora "oneCCL" page (argonne-lcf/
+# user-guides, docs/aurora/data-science/frameworks/oneCCL.md). The Level Zero monitor stays off,
+# as in that page's application-dependent list like the FI_CXI_* values above.
+xs_default FI_MR_CACHE_MONITOR userfaultfd
 xs_default FI_MR_ZE_CACHE_MONITOR_ENABLED 0

@@ -17,17 +17,21 @@ XS_PROFILER_DEFAULT='rocprof --hip-trace --stats -o {dir}/rank{rank}/results.csv
 # current ROCm the prefix form NCCL_SOCKET_IFNAME=hsn works as well.
 xs_default NCCL_SOCKET_IFNAME hsn0,hsn1,hsn2,hsn3
 
-# --- RCCL: GPU Direct RDMA level (opt-in only) --------------------------------------------------
+# --- RCCL: GPU Direct RDMA level (set only where RCCL needs it) -------------------------------
 # The older LUMI material forced NCCL_NET_GDR_LEVEL=PHB (AI workshop) or 3 (PyTorch container
 # runscripts) so RCCL would use GPU RDMA to the NIC. Since ROCm 6.2 PHB is RCCL's default
 # (LUMI-AI-example, "RCCL environment variables"), and with the ROCm 7.0 containers a forced PHB
 # or SYS makes multi-node torch.distributed jobs hang in init (lumi-ai-factory/
 # laifs-container-recipes issue 30, reported from issue 28); the LUMI AI Guide dropped it in its
-# ROCm 7.0 update (LUMI-AI-Guide PR 97) with no loss of bandwidth. AMD's cluster networking docs
-# also say the level is detected from the PCI topology. So we leave RCCL to decide and only set
-# it when the user asks: XSCALE_NCCL_NET_GDR_LEVEL=PHB (or 3, SYS, ...) for an older container.
+# ROCm 7.0 update (LUMI-AI-Guide PR 97) with no loss of bandwidth. Images older than ROCm 6.2
+# (LUMI's DeepSpeed image lumi-pytorch-rocm-6.1.3-...-pytorch-v2.4.1, used in the AI workshop's
+# DeepSpeed exercise) do not default to PHB, so there we set it as the workshop does. The image's
+# release comes from ROCm's own version file (xs_rocm_older_than). XSCALE_NCCL_NET_GDR_LEVEL
+# forces a level on any image; an exported NCCL_NET_GDR_LEVEL wins over both.
 if [[ -n ${XSCALE_NCCL_NET_GDR_LEVEL:-} ]]; then
   xs_default NCCL_NET_GDR_LEVEL "$XSCALE_NCCL_NET_GDR_LEVEL"
+elif xs_rocm_older_than 6 2; then
+  xs_default NCCL_NET_GDR_LEVEL PHB
 fi
 
 # --- libfabric CXI provider (used by RCCL's aws-ofi-rccl plugin) --------------------------------

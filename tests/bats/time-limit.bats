@@ -1,5 +1,5 @@
 #!/usr/bin/env bats
-# runscripts/lib/time-limit.sh's decisions, with `scontrol` replaced by a recorder. The real
+# jobs/lib/time-limit.sh's decisions, with `scontrol` replaced by a recorder. The real
 # signal -> checkpoint -> requeue -> resume path runs on the virtual cluster
 # (tests/test_failures.py::test_time_limit_stops_saves_requeues_and_resumes).
 
@@ -21,7 +21,7 @@ teardown() {
 warned_job() {
   cat >"$WORK/job.sh" <<JOB
 set -euo pipefail  # as in the templates
-source "$REPO/runscripts/lib/time-limit.sh"
+source "$REPO/jobs/lib/time-limit.sh"
 requeueable_step bash -c 'trap "exit \${STEP_STATUS:-0}" USR1; kill -USR1 \$PPID; sleep 60 & wait'
 echo "after the step"
 JOB
@@ -43,7 +43,7 @@ JOB
 }
 
 @test "a step that ends without a warning is not requeued" {
-  run bash -c "source '$REPO/runscripts/lib/time-limit.sh'; requeueable_step true"
+  run bash -c "source '$REPO/jobs/lib/time-limit.sh'; requeueable_step true"
   [ "$status" -eq 0 ]
   [ ! -e "$WORK/scontrol.calls" ]
 }
@@ -57,7 +57,7 @@ JOB
 
 @test "a malformed XSCALE_MAX_REQUEUES stops before the step runs" {
   XSCALE_MAX_REQUEUES='1+x' run bash -c \
-    "source '$REPO/runscripts/lib/time-limit.sh'; requeueable_step touch '$WORK/ran'"
+    "source '$REPO/jobs/lib/time-limit.sh'; requeueable_step touch '$WORK/ran'"
   [ "$status" -eq 2 ]
   [ "$output" = "xscale: error: XSCALE_MAX_REQUEUES='1+x' is not a whole number" ]
   [ ! -e "$WORK/ran" ]

@@ -109,7 +109,8 @@ def main() -> None:
         hold(args.announce, args.hold_until)
     dist.barrier()
     dist.destroy_process_group()
-    # gloo can abort at interpreter exit after a finished run (see DESIGN.md): leave at once.
+    # gloo can abort at interpreter exit after a finished run (pytorch/pytorch issue 190489;
+    # docs/ARCHITECTURE.md): leave at once.
     sys.stdout.flush()
     os._exit(0)
 

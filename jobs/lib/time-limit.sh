@@ -5,7 +5,7 @@
 #   #SBATCH --signal=B:USR1@300     # USR1 to the batch shell 300 s before the time limit
 #   #SBATCH --requeue               # the job may go back to the queue
 #   #SBATCH --open-mode=append      # and its next run appends to the same output file
-#   source "$XSCALE_ROOT/runscripts/lib/time-limit.sh"
+#   source "$XSCALE_ROOT/jobs/lib/time-limit.sh"
 #   requeueable_step srun --kill-on-bad-exit=1 ... /runscripts/run.sh python train.py ...
 #
 # `B:` signals only the batch shell, so this shell must pass the signal on: requeueable_step runs
