@@ -51,6 +51,7 @@ remove_node() {
   ip link del "$(xsc_host_link "$node")" 2>/dev/null || true
   if [[ -d $dir ]]; then
     mountpoint -q "$dir/tmp" && umount "$dir/tmp"
+    rm -f "$dir/checkout"
     rmdir "$dir/tmp" "$dir/host-tmp" "$dir/cgroup" "$dir" 2>/dev/null || true
   fi
 }

@@ -165,6 +165,24 @@ resume_nodes() {
   done
 }
 
+# A node started for another checkout under /tmp cannot see this one (its /tmp is its own):
+# stop its slurmd so that it starts again for this checkout. Running jobs keep going.
+stop_slurmd_of_other_checkout() {
+  local node=$1 pidfile recorded="" pid deadline
+  pidfile=$(xsc_slurmd_pidfile "$node")
+  xsc_alive "$pidfile" || return 0
+  read -r recorded 2>/dev/null <"$(xsc_node_dir "$node")/checkout" || true
+  [[ $recorded == "$XSC_CHECKOUT" ]] && return 0
+  xsc_say "$node served ${recorded:-another checkout}; restarting its slurmd for $XSC_CHECKOUT"
+  read -r pid <"$pidfile"
+  kill -TERM "$pid" 2>/dev/null || true
+  deadline=$((SECONDS + 15))
+  while kill -0 "$pid" 2>/dev/null; do
+    (( SECONDS < deadline )) || xsc_die "$node's slurmd (pid $pid) did not stop"
+    sleep 0.1
+  done
+}
+
 main() {
   [[ ${1:-} == -h || ${1:-} == --help ]] && { usage; exit 0; }
   check_tools
@@ -182,6 +200,7 @@ main() {
   start_munge
   xsc_alive "$XSC_STATE/slurmctld.pid" || slurmctld
   for node in "${XSC_NODES[@]}"; do
+    stop_slurmd_of_other_checkout "$node"
     xsc_start_slurmd "$node"
   done
   resume_nodes

@@ -73,8 +73,9 @@ xsc_start_slurmd() {
   xsc_alive "$(xsc_slurmd_pidfile "$node")" && return 0
   mkdir -p "/var/spool/slurmd/$node"
   # The checkout stays visible on the node even when it was cloned into /tmp: it plays the
-  # shared file system.
-  XSCALE_CLUSTER_SHARED=${XSC_DIR%/tests/cluster} nsenter --net="/run/netns/$node" -- \
+  # shared file system. Recorded, so that cluster-up run from another checkout can tell.
+  printf '%s\n' "$XSC_CHECKOUT" >"$(xsc_node_dir "$node")/checkout"
+  XSCALE_CLUSTER_SHARED=$XSC_CHECKOUT nsenter --net="/run/netns/$node" -- \
     unshare --mount --uts --propagation private -- \
     bash "$XSC_DIR/node-boot.sh" "$node" "$(xsc_node_dir "$node")"
 }
@@ -101,3 +102,4 @@ xsc_wait_idle() {
 }
 
 XSC_DIR=$(cd "${BASH_SOURCE[0]%/*}" && pwd -P)
+XSC_CHECKOUT=${XSC_DIR%/tests/cluster}
