@@ -31,7 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
     """Test files live in the checkout, not under /tmp: each virtual node has a /tmp of its own,
     so files a test hands to a job must be on storage every node shares, as on a real cluster."""
     if config.option.basetemp is None:
-        config.option.basetemp = str(REPO / "build" / "pytest-tmp")
+        basetemp = REPO / "build" / "pytest-tmp"
+        basetemp.parent.mkdir(exist_ok=True)  # pytest makes basetemp itself, not its parents
+        config.option.basetemp = str(basetemp)
 
 
 def tool_env(extra: dict[str, str] | None = None) -> dict[str, str]:

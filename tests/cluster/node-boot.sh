@@ -10,9 +10,9 @@
 set -euo pipefail
 
 readonly NODE=$1 NODE_DIR=$2
-# Directories under the host's /tmp that must stay visible on the node (shared storage): the
-# checkout the cluster serves, when it was cloned into /tmp.
-readonly SHARED_UNDER_TMP=${XSCALE_CLUSTER_SHARED:-}
+# The checkout the cluster serves. It plays shared storage, so when it was cloned under the
+# host's /tmp it must stay visible on the node.
+readonly SHARED=${XSCALE_CLUSTER_SHARED:-}
 
 # A sysfs of the node's own network namespace, so /sys/class/net lists lo and hsn0 as it lists a
 # real node's NICs (the host's sysfs would show the host's). The cgroup mounts below /sys go over
@@ -27,14 +27,10 @@ mount --bind /tmp "$NODE_DIR/host-tmp"
 mount --bind "$NODE_DIR/tmp" /tmp
 mount -t tmpfs -o mode=1777,size=256m tmpfs /dev/shm
 
-shared=$SHARED_UNDER_TMP
-while [[ -n $shared ]]; do
-  dir=${shared%%:*}
-  [[ $shared == *:* ]] && shared=${shared#*:} || shared=""
-  [[ $dir == /tmp/?* ]] || continue
-  mkdir -p "$dir"
-  mount --bind "$NODE_DIR/host-tmp/${dir#/tmp/}" "$dir"
-done
+if [[ $SHARED == /tmp/?* ]]; then
+  mkdir -p "$SHARED"
+  mount --bind "$NODE_DIR/host-tmp/${SHARED#/tmp/}" "$SHARED"
+fi
 
 hostname "$NODE"
 exec slurmd -N "$NODE"
