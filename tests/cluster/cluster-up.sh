@@ -165,10 +165,12 @@ resume_nodes() {
   done
 }
 
-# A node started for another checkout under /tmp cannot see this one (its /tmp is its own):
-# stop its slurmd so that it starts again for this checkout. Running jobs keep going.
+# A node cannot see a checkout under the host's /tmp unless it was started for it (its /tmp is
+# its own): stop its slurmd so that it starts again for this checkout. Running jobs keep going.
+# A checkout anywhere else is already visible on every node.
 stop_slurmd_of_other_checkout() {
   local node=$1 pidfile recorded="" pid deadline
+  [[ $XSC_CHECKOUT == /tmp/?* ]] || return 0
   pidfile=$(xsc_slurmd_pidfile "$node")
   xsc_alive "$pidfile" || return 0
   read -r recorded 2>/dev/null <"$(xsc_node_dir "$node")/checkout" || true
