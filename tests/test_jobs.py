@@ -471,12 +471,37 @@ def test_local_mnist_runs(cluster, tmp_path, mnist_data):
     check_summary(job.output, "mnist", 4)
 
 
-def test_lumi_smoke_reports_each_nodes_gpus_and_each_ranks_cores(cluster, tmp_path):
-    job = submit(cluster, lumi("smoke.sbatch"), tmp_path, 2, env=virtual_env(tmp_path))
+def test_lumi_smoke_runs_the_doctor_then_reports_each_nodes_gpus_and_each_ranks_cores(
+        cluster, tmp_path):
+    """The doctor first (tests/test_doctor.py covers its faults): on a healthy allocation every
+    node check passes, one row per node, nothing to exclude. What the test bed lacks is faked at
+    its outermost fact: LUMI detected, its one NIC instead of hsn0..3, a small /tmp, an
+    aws-ofi-rccl library file, torch reporting the GPUs Slurm gave (tests/fakes/torch-gpus)."""
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    (plugin / "librccl-net.so").touch()
+    doctor_dir = tmp_path / "doctor"
+    job = submit(cluster, lumi("smoke.sbatch"), tmp_path, 2, env=virtual_env(
+        tmp_path, XSCALE_SITE="lumi", NCCL_SOCKET_IFNAME="hsn0", LD_LIBRARY_PATH=str(plugin),
+        PYTHONPATH=str(REPO / "tests" / "fakes" / "torch-gpus"), XSCALE_DOCTOR_MIN_FREE_GB="0.1",
+        DOCTOR_DIR=str(doctor_dir), DOCTOR_ARGS="--quick"))
+    verdict = json.loads((doctor_dir / "verdict.json").read_text())
+    assert verdict["ok"] and verdict["exclude"] == "", verdict
+    assert sorted(verdict["nodes"]) == ["nid001", "nid002"]
+    for node, checks in verdict["nodes"].items():
+        assert {c: r["status"] for c, r in checks.items()} == {
+            "layout": "ok", "gpus": "ok", "cpu-affinity": "skip", "network": "ok",
+            "net-plugin": "ok", "storage": "ok", "paths": "skip", "import-torch": "ok"}, node
+        # Each rank on its own GPU of the four Slurm gave the node.
+        assert checks["gpus"]["message"] in {"GPU 0 of 0,1,2,3", "GPU 1 of 0,1,2,3"}
+    table = [line.split()[0] for line in job.output.splitlines()
+             if re.match(r"nid\d+(\s+(ok|-))+\s*$", line)]
+    assert table == ["nid001", "nid002"], job.output
+    assert "doctor: exclude: none" in job.output
     nodes = sorted(re.findall(r"^smoke: node=(\S+) torch_gpus=(\d+) visible=(\S+)$",
                               job.output, re.M))
-    # One line per node; Slurm gave each node its 4 (fake) GPUs; CPU torch sees none of them.
-    assert nodes == [("nid001", "0", "0,1,2,3"), ("nid002", "0", "0,1,2,3")]
+    # One line per node; Slurm gave each node its 4 (fake) GPUs, and torch (faked) sees them.
+    assert nodes == [("nid001", "4", "0,1,2,3"), ("nid002", "4", "0,1,2,3")]
     bindings = sorted(re.findall(
         r"^binding: rank=(\d+) local_rank=(\d+) node=(\S+) cpus=(\S+)$", job.output, re.M))
     # Local rank i runs on core i of its node: the masks 0x1,0x2 from cpu-masks, applied.

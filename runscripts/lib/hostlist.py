@@ -183,6 +183,37 @@ def first_host(hostlist: str) -> str:
     return next(expand(hostlist))
 
 
+def compress(hosts: Sequence[str]) -> str:
+    """The shortest bracket form of HOSTS that Slurm reads back (`--exclude`, `--nodelist`):
+    names sorted, numeric suffixes of one prefix and width merged into ranges, e.g.
+    nid002 nid003 nid005 -> nid[002-003,005]. The inverse of expand for sorted unique names."""
+    groups = {}  # type: dict
+    plain = []
+    for host in sorted(set(hosts)):
+        match = re.match(r"^(.*?)([0-9]+)$", host)
+        if match:
+            groups.setdefault((match.group(1), len(match.group(2))), []).append(int(match.group(2)))
+        else:
+            plain.append(host)
+    items = plain + [_bracket(prefix, width, numbers)
+                     for (prefix, width), numbers in groups.items()]
+    return ",".join(sorted(items))
+
+
+def _bracket(prefix: str, width: int, numbers: List[int]) -> str:
+    if len(numbers) == 1:
+        return "%s%0*d" % (prefix, width, numbers[0])
+    spans = []  # type: List[List[int]]
+    for number in sorted(numbers):
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    parts = ["%0*d" % (width, low) if low == high else "%0*d-%0*d" % (width, low, width, high)
+             for low, high in spans]
+    return "%s[%s]" % (prefix, ",".join(parts))
+
+
 def write_hosts(hosts: Iterator[str]) -> None:
     # Bytes out, as they came in: host names need not be valid in the current locale.
     out = sys.stdout.buffer

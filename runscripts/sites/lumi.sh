@@ -56,3 +56,14 @@ xs_default FI_CXI_DEFAULT_CQ_SIZE 131072
 # workshop, "Extreme scale AI"; LUMI PyTorch container docs (conda-python-distributed).
 xs_default MIOPEN_USER_DB_PATH "$XSCALE_CACHE_DIR/miopen"
 xs_default MIOPEN_CUSTOM_CACHE_DIR "$XSCALE_CACHE_DIR/miopen"
+
+# --- What the preflight doctor expects (runscripts/doctor; plain variables, not exported) -------
+# RCCL reaches Slingshot only through the aws-ofi-rccl plugin, which RCCL loads by this name
+# (ROCm/aws-ofi-rccl); without it RCCL says "Using network Socket" and runs over TCP.
+# shellcheck disable=SC2034  # read by runscripts/doctor
+XS_NET_PLUGIN_LIBS=librccl-net.so
+# A floor, not a measurement: LUMI-G has four 200 Gb/s Slingshot-11 NICs per node, 25 GB/s each
+# way (LUMI documentation, "Network and interconnect"); a 64 MiB all-reduce between nodes that
+# reaches a fifth of that is healthy, while the TCP fallback stays at a few GB/s.
+# shellcheck disable=SC2034  # read by runscripts/doctor
+XS_MIN_BUSBW_GBPS=20

@@ -24,6 +24,10 @@ XS_PROFILER_DEFAULT='nsys profile -t cuda,nvtx -o {dir}/rank{rank}'
 # Name the plugin's network so that NCCL fails at start-up when the plugin is missing instead of
 # falling back to sockets (CSCS gives that reason).
 xs_default NCCL_NET "AWS Libfabric"
+# For the preflight doctor: aws-ofi-nccl installs itself as libnccl-net-ofi.so, with
+# libnccl-net.so beside it in older releases (aws/aws-ofi-nccl, INSTALL.md).
+# shellcheck disable=SC2034  # read by runscripts/doctor
+XS_NET_PLUGIN_LIBS="libnccl-net-ofi.so libnccl-net.so"
 # Bootstrap over the Slingshot interfaces (hsn0, hsn1, ...), not the management network
 # (Isambard-AI; the same prefix LUMI uses for its hsn NICs).
 xs_default NCCL_SOCKET_IFNAME hsn
