@@ -419,6 +419,8 @@ BAD_INPUT = [
      ["touch", "MARKER"], ["GLOO_SOCKET_IFNAME='hsn7'", "no interface 'hsn7'", "have: "]),
     ("nccl interfaces match nothing", "run.sh", {"NCCL_SOCKET_IFNAME": "hsn,=ib0"},
      ["touch", "MARKER"], ["NCCL_SOCKET_IFNAME='hsn,=ib0'", "matches no interface"]),
+    ("NCCL takes the warning signal", "run.sh", {"NCCL_PROXY_DUMP_SIGNAL": "10"},
+     ["touch", "MARKER"], ["NCCL_PROXY_DUMP_SIGNAL=10 is SIGUSR1", "must differ"]),
     ("mnist data missing", "run.sh", {},
      ["python", "python/mnist_ddp.py", "--data", NO_SUCH, "--output-dir", "MARKER"], [NO_SUCH]),
     ("imagenet data missing", "run.sh", {},

@@ -471,6 +471,12 @@ xs_failure_defaults() {
   # libtorch_cuda.so), and every image xscale builds on ships torch >= 2.2 (constraints.txt).
   xs_default TORCH_NCCL_ASYNC_ERROR_HANDLING 1
   xs_default XSCALE_TIMEOUT_S 600
+  # NCCL_PROXY_DUMP_SIGNAL=N has NCCL install its own handler for signal N (a dump of its proxy
+  # state; NCCL's environment variable documentation). Signal 10, SIGUSR1 on Linux, is the
+  # time-limit warning xscale's jobs ask for (--signal=B:USR1@...): NCCL would take it from the
+  # trainer, which would then never save before the limit.
+  [[ ${NCCL_PROXY_DUMP_SIGNAL:-} != 10 ]] \
+    || xs_die "NCCL_PROXY_DUMP_SIGNAL=10 is SIGUSR1, the time-limit warning the trainers stop on; the two must differ (use 12, SIGUSR2, for NCCL's dump)"
 }
 
 xs_debug() {

@@ -62,3 +62,43 @@ JOB
   [ "$output" = "xscale: error: XSCALE_MAX_REQUEUES='1+x' is not a whole number" ]
   [ ! -e "$WORK/ran" ]
 }
+
+@test "a warning during an earlier step is held: the training step does not start, the job requeues" {
+  cat >"$WORK/job.sh" <<JOB
+set -euo pipefail
+source "$REPO/jobs/lib/time-limit.sh"
+bash -c 'kill -USR1 \$PPID'  # a staging step, during which the warning comes
+echo "staging done"
+requeueable_step touch "$WORK/trained"
+echo "after the step"
+JOB
+  run bash "$WORK/job.sh"
+  [ "$status" -eq 0 ]
+  [[ $output == *"staging done"*"not starting the step: SIGUSR1 came before it"*"after the step"* ]]
+  [ ! -e "$WORK/trained" ]
+  [ "$(cat "$WORK/scontrol.calls")" = "requeue 42" ]
+}
+
+@test "a warning that arrives just as the step exits: its real status, and a requeue" {
+  # The step (which, like srun's ranks, handles USR1) signals the shell and exits 0 at once, so
+  # the warning and the step's end race. Repeated: bash's own wait got this wrong 1 run in 5.
+  cat >"$WORK/job.sh" <<JOB
+set -euo pipefail
+source "$REPO/jobs/lib/time-limit.sh"
+requeueable_step bash -c "trap '' USR1; kill -USR1 \$\$; exit 0"
+echo "step status \$?"
+JOB
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    rm -f "$WORK/scontrol.calls"
+    run bash "$WORK/job.sh"
+    [ "$status" -eq 0 ]
+    [[ $output == *"step status 0"* ]]
+    [ "$(cat "$WORK/scontrol.calls")" = "requeue 42" ]
+  done
+}
+
+@test "an array task requeues itself, not the whole array" {
+  SLURM_ARRAY_JOB_ID=40 SLURM_ARRAY_TASK_ID=3 warned_job
+  [ "$status" -eq 0 ]
+  [ "$(cat "$WORK/scontrol.calls")" = "requeue 40_3" ]
+}
