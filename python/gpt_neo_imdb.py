@@ -36,21 +36,14 @@ from transformers import (  # noqa: E402
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     PreTrainedTokenizerBase,
-    Trainer,
     TrainingArguments,
 )
-from xscale import cli, shutdown, signals, summary  # noqa: E402
-from xscale.cli import UserError  # noqa: E402
+from xscale import hf, lifecycle, runtime  # noqa: E402
 from xscale.dist import read_placement, timeout_from_env  # noqa: E402
-from xscale.hf import (  # noqa: E402
-    ProfileSteps,
-    RunRecord,
-    StopOnSignal,
-    newest_checkpoint,
-    tensorboard,
-)
+from xscale.lifecycle import UserError  # noqa: E402
 
 TRAINER = "gpt_neo_imdb"
+PROG = "gpt_neo_imdb.py"
 DEFAULT_MODEL = "EleutherAI/gpt-neo-1.3B"
 DEFAULT_DATASET = "imdb"
 DATA_FILE_TYPES = {".txt": "text", ".csv": "csv", ".json": "json", ".jsonl": "json",
@@ -60,7 +53,7 @@ PROMPT = "The movie 'How to run ML on LUMI - A documentation' was great because"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="gpt_neo_imdb.py",
+        prog=PROG,
         description="Fine-tune GPT-neo on IMDB reviews with Hugging Face's Trainer (the LUMI "
                     "workshop's GPT-neo-IMDB-finetuning.py, on 1 to N GPUs or on CPU).",
     )
@@ -98,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=256,
                         help="tokens per training sequence; longer reviews are cut into several "
                              "(default %(default)s)")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1, metavar="N",
+                        help="micro-batches of --batch-size per optimizer step "
+                             "(default %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=2e-5,
                         help="AdamW learning rate (default %(default)s)")
     parser.add_argument("--save-steps", type=int, default=100,
@@ -113,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("num_workers", "batch_size", "eval_batch_size", "max_steps", "max_length",
-                 "save_steps", "eval_steps", "logging_steps", "sample_reviews"):
+                 "save_steps", "eval_steps", "logging_steps", "sample_reviews",
+                 "gradient_accumulation_steps"):
         value = getattr(args, name)
         if value < 0 or (value == 0 and name not in ("num_workers", "sample_reviews")):
             parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if value < 0 else '> 0'}, "
@@ -197,14 +194,15 @@ def tokenize(
     return parts["train"], parts["test"], encoded(splits["test"])
 
 
-def training_arguments(args: argparse.Namespace, output_dir: str,
-                       world_size: int) -> TrainingArguments:
-    on_gpu = torch.cuda.is_available()  # ROCm's torch answers here too
+def training_arguments(args: argparse.Namespace, output_dir: str, world_size: int,
+                       device: torch.device, backend: str) -> TrainingArguments:
+    on_gpu = device.type != "cpu"
     return TrainingArguments(
         output_dir=output_dir,
         max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.eval_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
         weight_decay=0.01,
         save_strategy="steps",
@@ -220,11 +218,12 @@ def training_arguments(args: argparse.Namespace, output_dir: str,
         # Workers start with 'spawn' (see __main__) and re-import this file: keep them alive.
         dataloader_persistent_workers=args.num_workers > 0,
         dataloader_pin_memory=on_gpu,
-        bf16=on_gpu and torch.cuda.is_bf16_supported(),
+        bf16=on_gpu and torch.get_device_module(device).is_bf16_supported(),
         use_cpu=not on_gpu,
-        # gloo on CPU; on GPUs Trainer's default is nccl, which is RCCL on ROCm. A backend
-        # without RANK/WORLD_SIZE would make accelerate expect a process group that is not there.
-        ddp_backend="gloo" if world_size > 1 and not on_gpu else None,
+        # xscale's backend for the device (nccl is RCCL on ROCm; xccl on Intel GPUs; gloo on
+        # CPUs), or XSCALE_BACKEND. Only with several ranks: a backend without RANK/WORLD_SIZE
+        # would make accelerate expect a process group that is not there.
+        ddp_backend=backend if world_size > 1 else None,
         ddp_find_unused_parameters=False,  # every GPT-neo weight gets a gradient each step
         # A lost rank fails the job after XSCALE_TIMEOUT_S instead of holding every node.
         ddp_timeout=int(timeout_from_env().total_seconds()),
@@ -244,8 +243,10 @@ def sample_reviews(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, c
 def train(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     # Now, not at the first step: Slurm's SIGUSR1 while the model loads would otherwise kill us.
-    signals.install()
+    lifecycle.install_stop_handlers()
+    lifecycle.shield_resource_tracker()  # before anything starts it unshielded
     placement = read_placement()  # the launcher's variables, checked
+    device, backend = hf.device_and_backend(placement)
     if placement.rank != 0:  # one set of progress bars per job, not one per rank
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
@@ -254,9 +255,11 @@ def train(args: argparse.Namespace) -> int:
     output_dir = os.path.join(args.output_path, args.model_name)
     logging_dir = os.path.join(args.logging_path, args.model_name)
     # Creating the arguments joins the process group (accelerate, from the torchrun variables).
-    training_args = training_arguments(args, output_dir, placement.world_size)
-    rank0 = training_args.process_index == 0
-    profile = ProfileSteps(training_args.process_index, training_args.device)
+    training_args = training_arguments(args, output_dir, placement.world_size, device, backend)
+    # One process joins no group: no backend to report.
+    ctx = hf.context(placement, training_args.device,
+                     backend if placement.world_size > 1 else None)
+    profile = hf.ProfileSteps(ctx.rank, ctx.device)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.pad_token = tokenizer.eos_token  # GPT-neo has no pad token
@@ -264,27 +267,27 @@ def train(args: argparse.Namespace) -> int:
     model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
     train_set, validation_set, test_set = tokenize(splits, tokenizer, args.max_length,
                                                    args.num_workers)
-    if rank0:
+    if ctx.is_main:
         print(f"Model {model_path}: {model.num_parameters():,} parameters; "
               f"{len(train_set):,} training sequences of up to {args.max_length} tokens",
               flush=True)
 
-    checkpoint = newest_checkpoint(output_dir) if args.resume is not False else None
-    if rank0 and args.resume and checkpoint is None:
+    checkpoint = hf.newest_checkpoint(output_dir) if args.resume is not False else None
+    if ctx.is_main and args.resume and checkpoint is None:
         print(f"No checkpoint in {output_dir} yet: starting from {model_path}", flush=True)
 
-    record, stop = RunRecord(), StopOnSignal()
-    trainer = Trainer(
+    record, stop = hf.RunRecord(ctx.device), hf.StopOnSignal()
+    trainer = hf.XscaleTrainer(
         model=model,
         args=training_args,
         processing_class=tokenizer,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         train_dataset=train_set,
         eval_dataset=validation_set,
-        callbacks=[record, stop, profile, tensorboard(logging_dir)],
+        callbacks=[record, stop, profile, hf.tensorboard(logging_dir)],
     )
     trainer.train(resume_from_checkpoint=checkpoint)
-    rates = record.rates()  # a collective: while all ranks are still in step
+    saved = hf.newest_checkpoint(output_dir)
 
     results: dict[str, float] = {}
     if stop.stopped_at is None:  # after a signal the time left is for the checkpoint only
@@ -297,38 +300,16 @@ def train(args: argparse.Namespace) -> int:
             "perplexity": math.exp(losses["eval_validation_loss"]),
             "test_perplexity": math.exp(losses["eval_test_loss"]),
         }
-        if rank0:
+        if ctx.is_main:
             print(f"Perplexity on validation: {results['perplexity']:.2f}")
             print(f"Perplexity on test: {results['test_perplexity']:.2f}")
             if args.sample_reviews:
                 sample_reviews(trainer.model, tokenizer, args.sample_reviews)
-    elif rank0:
-        print(f"Stopped by signal at step {stop.stopped_at}: checkpoint saved in {output_dir}")
+    elif ctx.is_main:
+        print(runtime.stop_message(PROG, stop.stopped_at, saved), flush=True)
 
-    summary.rank_record(
-        rank=training_args.process_index,
-        local_rank=training_args.local_process_index,
-        node=summary.node_name(),
-        steps=record.end_step,
-        param_digest=summary.param_digest(trainer.model),
-    )
-    if rank0:
-        summary.emit(
-            trainer=TRAINER,
-            world_size=training_args.world_size,
-            nodes=placement.nnodes,
-            steps=record.end_step,
-            start_step=record.start_step,
-            tokens_per_s=rates["tokens_per_s"],
-            samples_per_s=rates["samples_per_s"],
-            loss_first=record.losses[0] if record.losses else None,
-            loss_last=record.losses[-1] if record.losses else None,
-            seconds=time.perf_counter() - started,
-            train_seconds=rates["train_seconds"],
-            stopped=stop.stopped_at is not None,
-            signal=signals.signal_name(signals.received()),
-            **results,
-        )
+    hf.write_summary(ctx, trainer.model, TRAINER, started, training_args, record, stop, saved,
+                     **results)
     return 0
 
 
@@ -345,4 +326,4 @@ if __name__ == "__main__":
     # tracker reports as "leaked" on every rank once xscale's shutdown leaves through os._exit.
     # Only this process draws bars (workers and map() processes do not): a thread lock will do.
     tqdm.tqdm.set_lock(threading.RLock())
-    shutdown.exit_cleanly(cli.run(main, prog="gpt_neo_imdb.py"))
+    lifecycle.main_entry(main, prog=PROG)

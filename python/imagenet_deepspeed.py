@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from xscale import cli, data, ds, metrics, profiling, shutdown, signals, summary, vision
-from xscale.dist import DistContext, init_distributed
-from xscale.progress import TrainLog
-from xscale.throughput import Throughput
+from xscale import accounting, data, ds, lifecycle, runtime, vision
+from xscale.dist import DistContext
+from xscale.runtime import Loop
 
 TRAINER = "imagenet_deepspeed"
 PROG = "imagenet_deepspeed.py"
@@ -61,10 +59,10 @@ def evaluate(engine: torch.nn.Module, val_set: torch.utils.data.Dataset, ctx: Di
     loader = data.make_loader(val_set, data.ShardSampler(val_set, ctx.world_size, ctx.rank),
                               batch_size=batch_size, workers=0, device=ctx.device)
     batches = ((images.to(dtype), labels) for images, labels in loader)
-    return metrics.evaluate_classifier(engine, batches, ctx.device)
+    return accounting.evaluate_classifier(engine, batches, ctx.device)
 
 
-def train(args: argparse.Namespace, ctx: DistContext, config: dict, started: float) -> int:
+def train(args: argparse.Namespace, ctx: DistContext, config: dict) -> int:
     import deepspeed  # slow to import; after the cheap checks
 
     root = vision.resolve_data(args, ctx)
@@ -73,6 +71,7 @@ def train(args: argparse.Namespace, ctx: DistContext, config: dict, started: flo
                 else vision.per_rank(args.batch_size, ctx.local_world_size, "--batch-size"))
     config = ds.set_learning_rate(ds.batch_sizes(config, ctx.world_size, per_rank), args.lr)
     batch_size = config["train_micro_batch_size_per_gpu"]
+    accumulation = config["gradient_accumulation_steps"]  # DeepSpeed steps at the boundaries
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = vision.build_model(args.arch, classes, args.channels_last)
@@ -82,86 +81,59 @@ def train(args: argparse.Namespace, ctx: DistContext, config: dict, started: flo
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
     torch.manual_seed(args.seed + ctx.rank)  # each rank its own augmentation stream
-    start_step = 0
-    position = ds.load(engine, args.output_dir, ctx.rank) \
-        if args.output_dir and args.resume else None
-    if position is not None:
-        start_step = position[0]
-
+    resumed = ds.resume(engine, args.output_dir, ctx.rank, enabled=args.resume)
+    start_step = resumed or 0
     sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
     loader = data.make_loader(train_set, sampler, batch_size=batch_size, workers=args.workers,
                               device=ctx.device, drop_last=True)
-    per_epoch = data.steps_per_epoch(sampler, batch_size)
+    per_epoch = data.steps_per_epoch(sampler, batch_size, accumulation)
     end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
-    tb_dir = args.logging_dir or (args.output_dir / "tb" if args.output_dir else None)
-    log = TrainLog(is_main=ctx.is_main, start_step=start_step, total_steps=end_step,
-                   log_every=args.print_freq, tensorboard_dir=tb_dir, desc=TRAINER)
-    log.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes); "
-                f"{ctx.world_size} ranks, {ctx.device.type}, {ctx.backend}; ZeRO stage "
-                f"{engine.zero_optimization_stage()}, {dtype}; {batch_size} images per rank, "
-                f"{config['train_batch_size']} per step")
-    if position is not None:
-        log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
+    loop = Loop(ctx, TRAINER, PROG, start_step=start_step, resumed=resumed is not None,
+                end_step=end_step, per_epoch=per_epoch, sync_every=args.print_freq,
+                batch_size=batch_size, accumulation=accumulation,
+                checkpoint_every=args.checkpoint_every,
+                save=ds.saver(engine, args.output_dir, args.keep_checkpoints),
+                tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"),
+                warmup_steps=min(5, max(1, (end_step or 10) // 10)))
+    loop.log.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes); "
+                     f"{ctx.world_size} ranks, {ctx.device.type}, {ctx.backend}; ZeRO stage "
+                     f"{engine.zero_optimization_stage()}, {dtype}; {batch_size} images per rank, "
+                     f"{config['train_batch_size']} per step")
+    if resumed is not None:
+        loop.log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
 
-    window = profiling.window_from_env(ctx.rank, ctx.device)
-    meter = Throughput(ctx.device, warmup_steps=min(5, max(1, (end_step or 10) // 10)))
-    step, epoch, stopped = start_step, start_step // per_epoch, False
-    last_saved = start_step if position is not None else None
     engine.train()
-    meter.start()
-    for step_index, epoch, (images, labels) in data.train_batches(
-            loader, sampler, start_step=start_step, epochs=args.epochs, max_steps=args.max_steps):
-        window.step(step_index)
+    for _, (images, labels) in loop.batches(loader, sampler, args.epochs):
         images = images.to(ctx.device, dtype=dtype, non_blocking=True,
                            memory_format=memory_format)
         labels = labels.to(ctx.device, non_blocking=True)
         loss = F.cross_entropy(engine(images).float(), labels)
-        engine.backward(loss)
+        engine.backward(loss)  # scaled by 1/accumulation, reduced at the boundary
         engine.step()
-        step = step_index + 1
-        meter.step(len(labels))
-        log.step(step, loss, len(labels))
-        if args.output_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
-            ds.save(engine, args.output_dir, step, epoch, args.keep_checkpoints)
-            last_saved = step
-        if signals.should_stop():
-            stopped = True
-            break
-    meter.stop()
-    window.close()
-    log.close()
+        loop.record(loss, len(labels))
+    loop.finish()
 
-    if args.output_dir and last_saved != step:
-        ds.save(engine, args.output_dir, step, epoch, args.keep_checkpoints)
-    if stopped and ctx.is_main:
-        saved = args.output_dir / ds.tag(step) if args.output_dir else None
-        print(signals.stop_message(PROG, step, saved), flush=True)
     results = {}
-    if not stopped and val_set is not None:
+    if not loop.stopped and val_set is not None:  # after a stop: time for the checkpoint
         results = evaluate(engine, val_set, ctx, batch_size, dtype)
-    summary.report(ctx, engine, trainer=TRAINER, step=step, started=started, log=log,
-                   meter=meter, stopped=stopped, epoch=epoch, arch=args.arch,
-                   image_size=args.image_size, zero_stage=engine.zero_optimization_stage(),
-                   dtype=str(dtype).removeprefix("torch."), batch_size=batch_size,
-                   global_batch_size=config["train_batch_size"],
-                   accuracy=results.get("accuracy"), val_loss=results.get("loss"),
-                   val_samples=results.get("samples"))
+    loop.report(engine, epoch=loop.epoch, arch=args.arch, image_size=args.image_size,
+                zero_stage=engine.zero_optimization_stage(),
+                dtype=str(dtype).removeprefix("torch."), accuracy=results.get("accuracy"),
+                val_loss=results.get("loss"), val_samples=results.get("samples"))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    started = time.perf_counter()
     args = parse_args(argv)
+    on_gpu = torch.accelerator.is_available()
     if args.deepspeed_config is None:
-        args.deepspeed_config = CONFIGS / ("ds_fp16_z1.json" if torch.cuda.is_available()
-                                           else "ds_cpu_z1.json")
+        args.deepspeed_config = CONFIGS / ("ds_fp16_z1.json" if on_gpu else "ds_cpu_z1.json")
     config = ds.load_config(args.deepspeed_config)
     vision.check_data(args)  # before joining the group: a bad path trains nothing
     if args.local_rank is not None and not os.environ.get("LOCAL_RANK"):
         os.environ["LOCAL_RANK"] = str(args.local_rank)
-    signals.install()
-    ctx = init_distributed(backend=args.dist_backend, init_method=args.dist_url,
-                           rank=args.rank, world_size=args.world_size, gpu=args.gpu)
+    ctx = runtime.start(PROG, backend=args.dist_backend, init_method=args.dist_url,
+                        rank=args.rank, world_size=args.world_size, gpu=args.gpu)
     # DeepSpeed reads the torch names itself; a single process or a --dist-url launch has none.
     for name, value in (("RANK", ctx.rank), ("WORLD_SIZE", ctx.world_size),
                         ("LOCAL_RANK", ctx.local_rank), ("LOCAL_WORLD_SIZE", ctx.local_world_size)):
@@ -170,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if args.output_dir and ctx.is_main:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-    return train(args, ctx, config, started)
+    return train(args, ctx, config)
 
 
 if __name__ == "__main__":
-    shutdown.exit_cleanly(cli.run(main, prog=PROG))
+    lifecycle.main_entry(main, prog=PROG)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import struct
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
-from xscale import checkpoint, cli, data, metrics, profiling, shutdown, signals, summary
-from xscale.cli import UserError
-from xscale.dist import DistContext, init_distributed
-from xscale.progress import TrainLog
-from xscale.throughput import Throughput
+from xscale import accounting, checkpoint, data, lifecycle, runtime
+from xscale.accounting import unwrap
+from xscale.dist import DistContext
+from xscale.lifecycle import UserError
+from xscale.runtime import Loop
 
 TRAINER = "mnist_ddp"
 PROG = "mnist_ddp.py"
@@ -51,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="stop after this many optimizer steps in total (counting steps "
                              "done before a resume)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per rank per step")
+    parser.add_argument("--grad-accum-steps", type=int, default=1, metavar="N",
+                        help="micro-batches of --batch-size per optimizer step")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--workers", type=int, default=0,
                         help="DataLoader workers per rank (MNIST is in memory: 0 is fine)")
@@ -68,13 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--logging-dir", type=Path, default=None,
                         help="TensorBoard directory (default: OUTPUT_DIR/tb; none without either)")
     parser.add_argument("--gpu", action="store_true",
-                        help="require a GPU (as lumi-reframe-tests' mnist_DDP.py); GPUs are used "
-                             "anyway when torch sees them")
+                        help="require a GPU: CUDA, ROCm or Intel XPU (as lumi-reframe-tests' "
+                             "mnist_DDP.py); GPUs are used anyway when torch sees them")
     parser.add_argument("--modelpath", type=Path, default=None,
                         help="save the trained weights as MODELPATH/model_{gpu,cpu}.dat, as "
                              "lumi-reframe-tests' mnist_DDP.py does")
     args = parser.parse_args(argv)
-    for name in ("batch_size", "epochs", "workers", "keep_checkpoints", "log_every"):
+    for name in ("batch_size", "epochs", "workers", "keep_checkpoints", "log_every",
+                 "grad_accum_steps"):
         if getattr(args, name) < (0 if name == "workers" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.max_steps is not None and args.max_steps < 1:
@@ -165,111 +167,77 @@ class Net(nn.Module):
 
 def save_model(model: nn.Module, modelpath: Path, device: torch.device) -> Path:
     """mnist_DDP.py's output: the state_dict as MODELPATH/model_gpu.dat (or model_cpu.dat)."""
-    path = modelpath / f"model_{'gpu' if device.type == 'cuda' else 'cpu'}.dat"
-    checkpoint.atomic_save(summary.unwrap(model).state_dict(), path)
+    path = modelpath / f"model_{'cpu' if device.type == 'cpu' else 'gpu'}.dat"
+    checkpoint.atomic_save(unwrap(model).state_dict(), path)
     return path
 
 
-def train(args: argparse.Namespace, ctx: DistContext, folder: Path, started: float) -> int:
+def train(args: argparse.Namespace, ctx: DistContext, folder: Path) -> int:
     torch.manual_seed(args.seed)  # identical initial weights everywhere (DDP broadcasts anyway)
     train_set, test_set = MnistTensors(folder, "train"), MnistTensors(folder, "test")
     model = Net().to(ctx.device)
     if ctx.distributed:
         model = DistributedDataParallel(
-            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+            model, device_ids=None if ctx.device.type == "cpu" else [ctx.device.index])
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     torch.manual_seed(args.seed + ctx.rank)  # each rank its own stream from here on
-    start_step = 0
-    state = checkpoint.load_latest(args.output_dir) if args.output_dir and args.resume else None
-    if state is not None:  # weights, optimizer, and each rank's stream where it left off
-        start_step, _ = checkpoint.restore_training_state(state, model, optimizer, rank=ctx.rank)
-    resumed, state = state is not None, None
-
+    resumed = checkpoint.resume_training(args.output_dir, model, optimizer, rank=ctx.rank,
+                                         enabled=args.resume)
+    start_step = resumed or 0
     sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
     loader = data.make_loader(train_set, sampler, batch_size=args.batch_size,
                               workers=args.workers, device=ctx.device, drop_last=True)
-    per_epoch = data.steps_per_epoch(sampler, args.batch_size)
-    end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
-    tb_dir = args.logging_dir or (args.output_dir / "tb" if args.output_dir else None)
-    log = TrainLog(is_main=ctx.is_main, start_step=start_step, total_steps=end_step,
-                   log_every=args.log_every, tensorboard_dir=tb_dir, desc=TRAINER)
-    if start_step:
-        log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
-    log.message(f"{PROG}: {ctx.world_size} ranks on {ctx.nnodes} nodes, {ctx.device.type}, "
-                f"{ctx.backend}; {args.batch_size} images per rank, "
-                f"{args.batch_size * ctx.world_size} per step; {per_epoch} steps per epoch")
+    per_epoch = data.steps_per_epoch(sampler, args.batch_size, args.grad_accum_steps)
+    loop = Loop(ctx, TRAINER, PROG, start_step=start_step, resumed=resumed is not None,
+                end_step=data.last_step(per_epoch, args.epochs, args.max_steps),
+                per_epoch=per_epoch, sync_every=args.log_every, batch_size=args.batch_size,
+                accumulation=args.grad_accum_steps, checkpoint_every=args.checkpoint_every,
+                save=checkpoint.training_saver(args.output_dir, model, optimizer,
+                                               is_main=ctx.is_main, keep=args.keep_checkpoints),
+                tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"))
+    if resumed is not None:
+        loop.log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
+    loop.log.message(f"{PROG}: {ctx.world_size} ranks on {ctx.nnodes} nodes, {ctx.device.type}, "
+                     f"{ctx.backend}; {args.batch_size} images per rank, {per_epoch} steps per "
+                     "epoch")
 
-    window = profiling.window_from_env(ctx.rank, ctx.device)
-    meter = Throughput(ctx.device, warmup_steps=1)
-    step, epoch, stopped = start_step, start_step // per_epoch, False
-    last_saved = start_step if resumed else None
     model.train()
-    meter.start()
-    for step_index, epoch, (images, labels) in data.train_batches(
-            loader, sampler, start_step=start_step, epochs=args.epochs, max_steps=args.max_steps):
-        window.step(step_index)
+    for _, (images, labels) in loop.batches(loader, sampler, args.epochs):
         images = images.to(ctx.device, non_blocking=True)
         labels = labels.to(ctx.device, non_blocking=True)
-        loss = F.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        step = step_index + 1
-        meter.step(len(labels))
-        log.step(step, loss, len(labels))
-        if args.output_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
-            save(args, ctx, model, optimizer, step, epoch)
-            last_saved = step
-        if signals.should_stop():
-            stopped = True
-            break
-    meter.stop()
-    window.close()
-    log.close()
-
-    if args.output_dir and last_saved != step:
-        save(args, ctx, model, optimizer, step, epoch)
-    if stopped and ctx.is_main:
-        saved = checkpoint.checkpoint_path(args.output_dir, step) if args.output_dir else None
-        print(signals.stop_message(PROG, step, saved), flush=True)
+        with loop.sync_gradients(model):
+            loss = F.cross_entropy(model(images), labels)
+            (loss / loop.accumulation).backward()
+        if loop.boundary:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loop.record(loss, len(labels))
+    loop.finish()
 
     results: dict[str, float] = {}
-    if not stopped:  # after a stop signal the time left is for the checkpoint only
-        test_loader = data.make_loader(test_set, data.ShardSampler(test_set, ctx.world_size,
-                                                                   ctx.rank),
-                                       batch_size=256, workers=0, device=ctx.device)
-        evaluation = metrics.evaluate_classifier(model, test_loader, ctx.device)
+    if not loop.stopped:  # after a stop signal the time left is for the checkpoint only
+        test_loader = data.make_loader(
+            test_set, data.ShardSampler(test_set, ctx.world_size, ctx.rank), batch_size=256,
+            workers=0, device=ctx.device)
+        evaluation = accounting.evaluate_classifier(model, test_loader, ctx.device)
         results = {"accuracy": evaluation["accuracy"], "test_loss": evaluation["loss"],
                    "test_samples": evaluation["samples"]}
         if ctx.is_main and args.modelpath:
             print(f"{PROG}: model saved as {save_model(model, args.modelpath, ctx.device)}",
                   flush=True)
-    summary.report(ctx, model, trainer=TRAINER, step=step, started=started, log=log, meter=meter,
-                   stopped=stopped, epoch=epoch, batch_size=args.batch_size,
-                   global_batch_size=args.batch_size * ctx.world_size, **results)
+    loop.report(model, epoch=loop.epoch, **results)
     return 0
 
 
-def save(args: argparse.Namespace, ctx: DistContext, model: nn.Module,
-         optimizer: torch.optim.Optimizer, step: int, epoch: int) -> Path:
-    state = checkpoint.training_state(model, optimizer, step, epoch)  # every rank: a gather
-    path = checkpoint.checkpoint_path(args.output_dir, step)
-    if ctx.is_main:
-        checkpoint.save(args.output_dir, step, state, keep=args.keep_checkpoints)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
-    started = time.perf_counter()
     args = parse_args(argv)
     folder = find_idx_dir(args.data)  # before joining the group: a bad path trains nothing
-    signals.install()
-    ctx = init_distributed(require_gpu=args.gpu)
+    ctx = runtime.start(PROG, require_gpu=args.gpu)
     if args.output_dir and ctx.is_main:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-    return train(args, ctx, folder, started)
+    return train(args, ctx, folder)
 
 
 if __name__ == "__main__":
-    shutdown.exit_cleanly(cli.run(main, prog=PROG))
+    lifecycle.main_entry(main, prog=PROG)

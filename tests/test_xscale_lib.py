@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import signal
@@ -10,14 +11,15 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
-from xscale import checkpoint, cli, data, dist, ds, profiling, signals, staging, summary
-from xscale.cli import UserError
-from xscale.throughput import Throughput
+from xscale import accounting, checkpoint, data, dist, ds, lifecycle, profiling, runtime, staging
+from xscale.accounting import Throughput
+from xscale.lifecycle import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON_DIR = REPO / "python"
@@ -46,28 +48,28 @@ def test_user_error_becomes_one_line_and_status_2(capsys):
     def main() -> int:
         raise UserError("--data '/nowhere': no such directory")
 
-    assert cli.run(main, prog="trainer.py") == 2
+    assert lifecycle.run(main, prog="trainer.py") == 2
     err = capsys.readouterr().err
     assert err == "trainer.py: error: --data '/nowhere': no such directory\n"
 
 
 def test_cli_run_passes_statuses_through():
-    assert cli.run(lambda: None, prog="t") == 0
-    assert cli.run(lambda: 3, prog="t") == 3
+    assert lifecycle.run(lambda: None, prog="t") == 0
+    assert lifecycle.run(lambda: 3, prog="t") == 3
 
     def exits() -> int:
         raise SystemExit(2)
 
-    assert cli.run(exits, prog="t") == 2
+    assert lifecycle.run(exits, prog="t") == 2
 
 
 def test_user_error_in_a_real_process_has_no_traceback(tmp_path):
     script = tmp_path / "prog.py"
     script.write_text(
-        "from xscale import cli, shutdown\n"
-        "from xscale.cli import UserError\n"
+        "from xscale import lifecycle\n"
+        "from xscale.lifecycle import UserError\n"
         "def main():\n    raise UserError('bad value')\n"
-        "shutdown.exit_cleanly(cli.run(main, prog='prog.py'))\n")
+        "lifecycle.main_entry(main, prog='prog.py')\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)}, timeout=60)
     assert proc.returncode == 2
@@ -122,24 +124,105 @@ def test_command_line_rank_must_agree_with_the_launcher():
     assert dist.read_placement({}, rank=1, world_size=2).world_size == 2
 
 
-def test_timeout_and_backend_choices():
+def test_timeout_from_the_environment():
     assert dist.timeout_from_env({}).total_seconds() == 600
     assert dist.timeout_from_env({"XSCALE_TIMEOUT_S": "30"}).total_seconds() == 30
     with pytest.raises(UserError, match="XSCALE_TIMEOUT_S='soon'"):
         dist.timeout_from_env({"XSCALE_TIMEOUT_S": "soon"})
-    assert dist.choose_backend(None, on_gpu=False, environ={}) == "gloo"
-    assert dist.choose_backend(None, on_gpu=True, environ={}) == "nccl"
-    assert dist.choose_backend(None, on_gpu=True, environ={"XSCALE_BACKEND": "gloo"}) == "gloo"
-    assert dist.choose_backend("gloo", on_gpu=True, environ={"XSCALE_BACKEND": "nccl"}) == "gloo"
-    with pytest.raises(UserError, match="backend nccl needs a GPU"):
-        dist.choose_backend("nccl", on_gpu=False, environ={})
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
-def test_device_is_the_cpu_without_gpus_and_asking_for_one_is_an_error():
-    assert dist.choose_device(local_rank=3) == torch.device("cpu")
-    with pytest.raises(UserError, match="torch sees none"):
-        dist.choose_device(local_rank=0, require_gpu=True)
+@pytest.fixture
+def fake_machine(monkeypatch):
+    """Fake only the outermost facts torch reports (which accelerator, how many devices are
+    visible, whether xccl is built in, whether oneccl_bindings_for_pytorch is installed, HIP's
+    version); everything xscale derives from them runs for real."""
+
+    def install(kind: str | None, count: int = 0, *, xccl: bool = False, ccl: bool = False,
+                hip: bool = False) -> None:
+        device = None if kind is None else torch.device(kind)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                            lambda check_available=False: device)
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: count)
+        monkeypatch.setattr(torch.distributed, "is_xccl_available", lambda: xccl)
+        monkeypatch.setattr(torch.version, "hip", "6.2.41134" if hip else None)
+        monkeypatch.delitem(sys.modules, "oneccl_bindings_for_pytorch", raising=False)
+        if ccl:
+            bindings = types.ModuleType("oneccl_bindings_for_pytorch")
+            bindings.__spec__ = importlib.machinery.ModuleSpec(bindings.__name__, None)
+            monkeypatch.setitem(sys.modules, bindings.__name__, bindings)
+
+    return install
+
+
+# (machine, LOCAL_RANK, --gpu, --dist-backend, environment) -> (device, backend)
+SELECTION = {
+    "cuda": (("cuda", 8), 3, None, None, {}, ("cuda:3", "nccl")),
+    "rocm, one GCD per rank": (("cuda", 1, {"hip": True}), 5, None, None, {}, ("cuda:0", "nccl")),
+    "rocm, --gpu SLURM_LOCALID": (("cuda", 8, {"hip": True}), 0, 6, None, {}, ("cuda:6", "nccl")),
+    "xpu with xccl": (("xpu", 12, {"xccl": True}), 11, None, None, {}, ("xpu:11", "xccl")),
+    "xpu with xccl and ccl": (("xpu", 12, {"xccl": True, "ccl": True}), 4, None, None, {},
+                              ("xpu:4", "xccl")),
+    "xpu, older module: ccl": (("xpu", 12, {"ccl": True}), 2, None, None, {}, ("xpu:2", "ccl")),
+    "cpu": ((None, 0), 0, None, None, {}, ("cpu", "gloo")),
+    "user: --dist-backend wins": (("cuda", 4), 1, None, "gloo", {"XSCALE_BACKEND": "nccl"},
+                                  ("cuda:1", "gloo")),
+    "user: XSCALE_BACKEND": (("xpu", 12, {"xccl": True, "ccl": True}), 0, None, None,
+                             {"XSCALE_BACKEND": "CCL"}, ("xpu:0", "ccl")),
+}
+
+
+@pytest.mark.parametrize("case", SELECTION, ids=list(SELECTION))
+def test_device_and_backend_follow_the_accelerator(fake_machine, case):
+    machine, local_rank, gpu, requested, environ, (device, backend) = SELECTION[case]
+    fake_machine(*machine[:2], **(machine[2] if len(machine) > 2 else {}))
+    accel = dist.probe_accelerator()
+    chosen = dist.choose_device(local_rank, gpu, accel=accel, environ=environ)
+    assert str(chosen) == device
+    assert dist.choose_backend(requested, chosen, accel, environ=environ) == backend
+
+
+# (machine, LOCAL_RANK, --gpu required, --dist-backend, environment) -> the one error line
+BAD_SELECTION = {
+    "xccl without an XPU": ((None, 0), 0, False, "xccl", {},
+                            "backend xccl needs an Intel GPU (XPU) and this rank runs on cpu"),
+    "nccl on the CPU": ((None, 0), 0, False, None, {"XSCALE_BACKEND": "nccl"},
+                        "backend nccl needs a CUDA or ROCm GPU"),
+    "--gpu without any accelerator": ((None, 0), 0, True, None, {},
+                                      "a GPU was asked for (--gpu) but torch"),
+    "LOCAL_RANK beyond the visible": (("cuda", 4), 6, False, None,
+                                      {"CUDA_VISIBLE_DEVICES": "0,1,2,3"},
+                                      "cuda device 6 asked for (LOCAL_RANK or --gpu) but only 4 "
+                                      "are visible (CUDA_VISIBLE_DEVICES=0,1,2,3)"),
+    "xpu without any oneCCL": (("xpu", 12), 0, False, None, {},
+                               "sees Intel GPUs but has no collective backend"),
+    "xccl asked, only ccl": (("xpu", 12, {"ccl": True}), 0, False, "xccl", {},
+                             "backend xccl is not built into torch"),
+    "a misspelt backend": (("cuda", 4), 0, False, "ncl", {}, "backend 'ncl' is not one of"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SELECTION, ids=list(BAD_SELECTION))
+def test_impossible_device_or_backend_is_a_user_error(fake_machine, case):
+    machine, local_rank, require_gpu, requested, environ, message = BAD_SELECTION[case]
+    fake_machine(*machine[:2], **(machine[2] if len(machine) > 2 else {}))
+    accel = dist.probe_accelerator()
+    with pytest.raises(UserError) as error:
+        chosen = dist.choose_device(local_rank, require_gpu=require_gpu, accel=accel,
+                                    environ=environ)
+        dist.choose_backend(requested, chosen, accel, environ=environ)
+    assert message in str(error.value), str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_this_machine_for_real_is_the_cpu_with_gloo():
+    """No fakes: what this CPU-only test machine reports, and a process group on it."""
+    accel = dist.probe_accelerator()
+    if accel.type is not None:
+        pytest.skip(f"this machine has a {accel.type} accelerator")
+    assert dist.choose_device(0, environ={}) == torch.device("cpu")
+    assert dist.choose_backend(None, torch.device("cpu"), environ={}) == "gloo"
+    with pytest.raises(UserError, match="a GPU was asked for"):
+        dist.choose_device(0, require_gpu=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +295,7 @@ def test_training_state_round_trip_restores_weights_optimizer_and_random_stream(
     step, epoch = checkpoint.restore_training_state(
         checkpoint.load_latest(tmp_path), fresh, fresh_optimizer)
     assert (step, epoch) == (7, 1)
-    assert summary.param_digest(fresh) == summary.param_digest(model)
+    assert accounting.param_digest(fresh) == accounting.param_digest(model)
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
     assert torch.equal(torch.rand(3), expected_draw)
 
@@ -237,28 +320,28 @@ def small_net() -> nn.Module:
 
 def test_param_digest_is_stable_and_sees_one_ulp():
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    first = summary.param_digest(model)
-    assert first == summary.param_digest(model)
+    first = accounting.param_digest(model)
+    assert first == accounting.param_digest(model)
     assert len(first) == 64 and int(first, 16) >= 0
     with torch.no_grad():
         weight = model[0].weight
         weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(float("inf")))
-    assert summary.param_digest(model) != first
+    assert accounting.param_digest(model) != first
 
 
 def test_param_digest_ignores_wrappers_and_buffers_but_not_dtype():
     model = small_net()
     model(torch.randn(2, 3, 5, 5))  # materialise the lazy layer
-    digest = summary.param_digest(model)
-    assert summary.param_digest(Wrapper(model)) == digest
+    digest = accounting.param_digest(model)
+    assert accounting.param_digest(Wrapper(model)) == digest
     model[1].running_mean.add_(1.0)  # BatchNorm statistics differ per rank by design
-    assert summary.param_digest(model) == digest
-    assert summary.param_digest(model.to(torch.bfloat16)) != digest
+    assert accounting.param_digest(model) == digest
+    assert accounting.param_digest(model.to(torch.bfloat16)) != digest
 
 
 def test_summary_lines_are_json(capsys):
-    summary.rank_record(rank=1, steps=3, param_digest="ab")
-    summary.emit(trainer="t", world_size=2, loss_first=float("nan"), loss_last=torch.tensor(0.5))
+    accounting.rank_record(rank=1, steps=3, param_digest="ab")
+    accounting.emit(trainer="t", world_size=2, loss_first=float("nan"), loss_last=torch.tensor(0.5))
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == 'XSCALE_RANK {"rank": 1, "steps": 3, "param_digest": "ab"}'
     assert lines[1].startswith("XSCALE_SUMMARY ")
@@ -273,27 +356,27 @@ def test_summary_lines_are_json(capsys):
 
 @pytest.fixture
 def stop_handlers():
-    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
-    signals.reset()
+    saved = {s: signal.getsignal(s) for s in lifecycle.STOP_SIGNALS}
+    lifecycle.reset_stop()
     yield
     for signum, handler in saved.items():
         signal.signal(signum, handler)
-    signals._installed = False
-    signals.reset()
+    lifecycle._installed = False
+    lifecycle.reset_stop()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
-def test_stop_signal_sets_the_flag_and_should_stop_sees_it(stop_handlers, signum):
-    signals.install()
-    assert signals.received() is None
-    assert signals.should_stop() is False
+def test_stop_signal_sets_the_flag_and_the_vote_sees_it(stop_handlers, signum):
+    lifecycle.install_stop_handlers()
+    assert lifecycle.stop_received() is None
+    assert runtime.vote_to_stop() is False
     os.kill(os.getpid(), signum)
     deadline = time.monotonic() + 5
-    while signals.received() is None and time.monotonic() < deadline:
+    while lifecycle.stop_received() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # the handler runs between bytecodes of the main thread
-    assert signals.received() == signum
-    assert signals.should_stop() is True
-    assert signals.signal_name(signals.received()) == signal.Signals(signum).name
+    assert lifecycle.stop_received() == signum
+    assert runtime.vote_to_stop() is True
+    assert lifecycle.signal_name(lifecycle.stop_received()) == signal.Signals(signum).name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,33 +388,33 @@ import json, os, sys
 from pathlib import Path
 import torch
 from torch import nn
-from xscale import checkpoint, metrics, shutdown, signals, summary
-from xscale.cli import UserError
+from xscale import accounting, checkpoint, lifecycle, runtime
+from xscale.accounting import Throughput
+from xscale.lifecycle import UserError
 from xscale.dist import init_distributed
-from xscale.throughput import Throughput
 
 ctx = init_distributed()
 out = {"rank": ctx.rank, "world": ctx.world_size, "backend": ctx.backend}
 # Uneven shards: rank 0 has 3 samples of loss 1.0, rank 1 one sample of loss 5.0. The job's
 # mean is 8/4 = 2.0; the mean of the two ranks' means would be 3.0.
 if ctx.rank == 0:
-    sums = metrics.all_reduce_sums({"loss_sum": 3.0, "samples": 3})
+    sums = accounting.all_reduce_sums({"loss_sum": 3.0, "samples": 3})
 else:
-    sums = metrics.all_reduce_sums({"loss_sum": 5.0, "samples": 1})
-out["mean_loss"] = metrics.mean(sums, "loss_sum", "samples")
+    sums = accounting.all_reduce_sums({"loss_sum": 5.0, "samples": 1})
+out["mean_loss"] = accounting.mean(sums, "loss_sum", "samples")
 # Accuracy over uneven shards: a model that predicts class 0; rank 0's targets are all 0
 # (3 right), rank 1's are [1, 1, 1, 0, 1] (1 right of 5): 4 / 8, not (1.0 + 0.2) / 2.
 class Zero(nn.Module):
     def forward(self, x):
         return torch.stack([torch.ones(len(x)), torch.zeros(len(x))], dim=1)
 targets = torch.tensor([0, 0, 0]) if ctx.rank == 0 else torch.tensor([1, 1, 1, 0, 1])
-result = metrics.evaluate_classifier(Zero(), [(torch.zeros(len(targets), 1), targets)],
+result = accounting.evaluate_classifier(Zero(), [(torch.zeros(len(targets), 1), targets)],
                                      ctx.device)
 out["accuracy"], out["eval_samples"] = result["accuracy"], result["samples"]
 # A stop signal seen by rank 1 only stops both, at the same call.
 if ctx.rank == 1:
-    signals.request_stop()
-out["stop"] = signals.should_stop()
+    lifecycle.request_stop()
+out["stop"] = runtime.vote_to_stop()
 meter = Throughput(ctx.device, warmup_steps=0)
 meter.start(); meter.step(10 * (ctx.rank + 1)); meter.stop()
 rates = meter.reduced()
@@ -354,7 +437,7 @@ out["shared_step"] = checkpoint.load_latest(shared)["step"]
 rng = checkpoint.gather_rng_states()
 out["rng_states"] = len(rng)
 print("RESULT " + json.dumps(out), flush=True)
-shutdown.exit_cleanly(int(os.environ.get("EXIT_WITH", "0")))
+lifecycle.exit_cleanly(int(os.environ.get("EXIT_WITH", "0")))
 '''
 
 
@@ -399,10 +482,10 @@ def test_two_ranks_reduce_sums_not_averages_and_agree(tmp_path):
 def test_exit_cleanly_keeps_the_status_every_time(tmp_path):
     """The gloo abort at interpreter exit (pytorch/pytorch issue 190489) must never replace the
     chosen status."""
-    program = ("from xscale import shutdown\nfrom xscale.dist import init_distributed\n"
+    program = ("from xscale import lifecycle\nfrom xscale.dist import init_distributed\n"
                "import os, torch\nctx = init_distributed()\n"
                "torch.distributed.all_reduce(torch.ones(1))\nprint('done', flush=True)\n"
-               "shutdown.exit_cleanly(int(os.environ['EXIT_WITH']))\n")
+               "lifecycle.exit_cleanly(int(os.environ['EXIT_WITH']))\n")
     for status in (0, 0, 0, 3):
         runs = run_two_ranks(tmp_path, program, EXIT_WITH=str(status))
         assert [code for code, _, _ in runs] == [status, status], runs
@@ -410,10 +493,10 @@ def test_exit_cleanly_keeps_the_status_every_time(tmp_path):
 
 
 def test_single_process_needs_no_master_addr(tmp_path):
-    program = ("from xscale import shutdown\nfrom xscale.dist import init_distributed\n"
+    program = ("from xscale import lifecycle\nfrom xscale.dist import init_distributed\n"
                "import torch\nctx = init_distributed()\nt = torch.ones(1)\n"
                "torch.distributed.all_reduce(t)\nprint(ctx.rank, ctx.world_size, t.item())\n"
-               "shutdown.exit_cleanly(0)\n")
+               "lifecycle.exit_cleanly(0)\n")
     script = tmp_path / "one.py"
     script.write_text(program)
     env = {k: v for k, v in os.environ.items()
@@ -425,8 +508,8 @@ def test_single_process_needs_no_master_addr(tmp_path):
 
 def test_missing_master_addr_is_a_user_error(tmp_path):
     script = tmp_path / "p.py"
-    script.write_text("from xscale import cli, shutdown\nfrom xscale.dist import init_distributed\n"
-                      "shutdown.exit_cleanly(cli.run(init_distributed, prog='p.py'))\n")
+    script.write_text("from xscale import lifecycle\nfrom xscale.dist import init_distributed\n"
+                      "lifecycle.main_entry(init_distributed, prog='p.py')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env={**env, "RANK": "0", "WORLD_SIZE": "2",
@@ -452,12 +535,12 @@ def make_tar(tmp_path: Path, files: int = 50) -> Path:
     return tar_path
 
 
-STAGE = ("import sys, json\nfrom xscale import cli, staging\n"
+STAGE = ("import sys, json\nfrom xscale import lifecycle, staging\n"
          "def main():\n"
          "    path = staging.stage_tar(sys.argv[1], sys.argv[2], local_rank=int(sys.argv[3]),\n"
          "                             timeout_s=float(sys.argv[4]), poll_s=0.02)\n"
          "    print(path)\n"
-         "sys.exit(cli.run(main, prog='stage'))\n")
+         "sys.exit(lifecycle.run(main, prog='stage'))\n")
 
 
 def stage_ranks(tar_path: Path, dest: Path, ranks: list[int], timeout_s: float = 60) -> list:
@@ -547,41 +630,106 @@ def test_a_resumed_run_sees_the_batches_the_uninterrupted_run_would_have():
     assert whole[0][2] != whole[5][2]  # each epoch reshuffled
 
 
+def test_accumulated_steps_resume_at_the_same_micro_batch():
+    dataset = torch.utils.data.TensorDataset(torch.arange(40))
+
+    def batches(start: int, stop: int) -> list[tuple[int, int, list[int]]]:
+        sampler = data.ResumableSampler(dataset, num_replicas=2, rank=0, seed=3)
+        loader = data.make_loader(dataset, sampler, batch_size=3, workers=0,
+                                  device=torch.device("cpu"), drop_last=True)
+        return [(step, epoch, batch[0].tolist()) for step, epoch, batch in
+                data.train_batches(loader, sampler, start_step=start, epochs=None,
+                                   max_steps=stop, accumulation=2)]
+
+    # 20 samples per rank: 6 batches of 3, 3 steps of 2 batches per epoch (2 samples left over).
+    whole = batches(0, 7)
+    assert [step for step, _, _ in whole] == [s for s in range(7) for _ in (0, 1)]
+    assert [epoch for _, epoch, _ in whole] == [0] * 6 + [1] * 6 + [2] * 2
+    assert batches(0, 4) + batches(4, 7) == whole
+
+
+def loop_for_test(save, sync_every: int, accumulation: int = 1) -> runtime.Loop:
+    ctx = dist.DistContext(0, 1, 0, 1, 0, 1, torch.device("cpu"), "gloo")
+    return runtime.Loop(ctx, "t", "t.py", start_step=0, end_step=None, per_epoch=1000,
+                        sync_every=sync_every, save=save, checkpoint_every=4,
+                        accumulation=accumulation, batch_size=2)
+
+
+def test_the_stop_is_voted_every_n_steps_then_saved_once(stop_handlers, capsys):
+    """A signal at step 6 stops the loop at the next vote (step 10 with a vote every 5), not
+    at once: no collective per step. The checkpoint cadence saved 4 and 8; the stop saves 10,
+    once."""
+    saved = []
+    loop = loop_for_test(lambda step, epoch: saved.append(step) or f"ckpt-{step}", 5)
+    dataset = torch.utils.data.TensorDataset(torch.zeros(400, 1))
+    sampler = data.ResumableSampler(dataset, num_replicas=1, rank=0)
+    loader = data.make_loader(dataset, sampler, batch_size=2, workers=0,
+                              device=torch.device("cpu"))
+    for _ in loop.batches(loader, sampler):
+        loop.record(torch.tensor(1.0), 2)
+        if loop.step == 6:
+            lifecycle.request_stop()
+    loop.finish()
+    assert (loop.stopped, loop.step, saved) == (True, 10, [4, 8, 10])
+    assert "t.py: stopped by SIGUSR1 at step 10; checkpoint ckpt-10" in capsys.readouterr().out
+
+
+def test_with_accumulation_a_step_is_n_micro_batches(stop_handlers):
+    loop = loop_for_test(None, 3, accumulation=3)
+    boundaries = []
+    for _ in range(9):
+        boundaries.append(loop.boundary)
+        loop.record(torch.tensor(1.0), 2)
+    assert boundaries == [False, False, True] * 3
+    assert loop.step == 3 and loop.meter.steps == 3
+
+
 WORKERS_AND_SIGNALS = r"""
-import os, signal, torch
+import os, signal, sys, torch
 from torch.utils.data import DataLoader, TensorDataset
-from xscale import data, signals
+from xscale import data, lifecycle
 if __name__ == "__main__":
-    signals.install()
-    SHIELD
+    lifecycle.install_stop_handlers()
     dataset = TensorDataset(torch.arange(64))
-    loader = DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True,
-                        multiprocessing_context="spawn", worker_init_fn=INIT)
+    sampler = torch.utils.data.SequentialSampler(dataset)
+    if sys.argv[1] == "xscale":  # make_loader: spawn on GPUs, fork on CPUs
+        loader = data.make_loader(dataset, sampler, batch_size=4, workers=2,
+                                  device=torch.device(sys.argv[2]))
+    else:  # a plain DataLoader with the same start method
+        method = "spawn" if sys.argv[2] != "cpu" else "fork"
+        loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2,
+                            persistent_workers=True, multiprocessing_context=method)
     seen = 0
     for epoch in range(2):
         for index, batch in enumerate(loader):
             seen += len(batch[0])
             if epoch == 0 and index == 1:  # workers are up: Slurm signals the whole task
                 os.killpg(os.getpgid(0), signal.SIGUSR1)
-    print(seen, signals.received() == signal.SIGUSR1, flush=True)
+    print(seen, lifecycle.stop_received() == signal.SIGUSR1, flush=True)
+    lifecycle.exit_cleanly(0)
 """
 
 
-@pytest.mark.parametrize("init, shield, survives", [
-    ("data.ignore_stop_signal", "data.shield_resource_tracker()", True),
-    ("None", "pass", False),
+@pytest.mark.parametrize("how, start, survives", [
+    ("xscale", "spawn", True), ("xscale", "fork", True),
+    # The control: spawned workers start with SIGUSR1's default action, which kills them.
+    # (Forked ones inherit the parent's handler, so a plain forked loader proves nothing.)
+    ("plain", "spawn", False),
 ])
-def test_spawned_loader_workers_survive_slurms_warning_signal(tmp_path, init, shield, survives):
-    # What make_loader does on GPUs (spawned workers); without its hooks, SIGUSR1's default
-    # action kills the workers and the step fails instead of checkpointing.
+def test_loader_workers_survive_slurms_warning_signal(tmp_path, how, start, survives):
+    """SIGUSR1 to the whole process group, as Slurm signals a step: make_loader's workers (and
+    the resource tracker spawn uses) live on; a plain DataLoader's die of it. The device is
+    only the choice of start method here: "cuda" stands for a GPU rank."""
+    device = "cuda" if start == "spawn" else "cpu"  # only a name here: no GPU is touched
     script = tmp_path / "workers.py"
-    script.write_text(WORKERS_AND_SIGNALS.replace("INIT", init).replace("SHIELD", shield))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, start_new_session=True,
+    script.write_text(WORKERS_AND_SIGNALS)
+    proc = subprocess.run([sys.executable, str(script), how, device], capture_output=True,
+                          text=True, timeout=120, start_new_session=True,
                           env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
     if survives:
         assert (proc.returncode, proc.stdout) == (0, "128 True\n"), proc.stderr
-        assert "died unexpectedly" not in proc.stderr and "Traceback" not in proc.stderr
+        for symptom in ("killed by signal", "exited unexpectedly", "Traceback", "leaked"):
+            assert symptom not in proc.stderr, proc.stderr
     else:
         # The workers die; how the main process learns it varies (a worker-killed error, or a
         # reset connection while a batch was in flight), but the run always fails.

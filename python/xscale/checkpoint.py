@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xscale.cli import UserError
-from xscale.summary import unwrap
+from xscale.accounting import unwrap
+from xscale.lifecycle import UserError
 
 PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
 TEMP_PREFIX = ".ckpt-"
@@ -123,18 +123,27 @@ def load_latest(output_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's random generators (Python, torch CPU, and the current GPU)."""
+    """This process's random generators (Python, torch CPU, and the current accelerator's)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    accelerator = _accelerator_module()
+    if accelerator is not None and accelerator.is_initialized():
+        state["accelerator"] = accelerator.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_as_python_state(state["python"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    accelerator = _accelerator_module()
+    saved = state.get("accelerator")
+    if saved is not None and accelerator is not None:
+        accelerator.set_rng_state(saved)
+
+
+def _accelerator_module() -> Any:
+    """torch.cuda (CUDA and ROCm) or torch.xpu, whichever this process uses; None on CPUs."""
+    device = torch.accelerator.current_accelerator(check_available=True)
+    return None if device is None else torch.get_device_module(device)
 
 
 def _as_python_state(value: Any) -> tuple:
@@ -200,3 +209,34 @@ def restore_training_state(
     if len(streams) == world:
         set_rng_state(streams[rank])
     return int(state["step"]), int(state["epoch"])
+
+
+def resume_training(output_dir: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler | None = None, *, rank: int,
+                    enabled: bool = True) -> int | None:
+    """The step a run resumes from after restoring the newest checkpoint in `output_dir`, or
+    None for a fresh start (no directory, none there, or --no-resume). Every rank calls it."""
+    if output_dir is None or not enabled:
+        return None
+    state = load_latest(output_dir)
+    if state is None:
+        return None
+    step, _ = restore_training_state(state, model, optimizer, scaler, rank=rank)
+    return step
+
+
+def training_saver(output_dir: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler | None = None, *, is_main: bool, keep: int,
+                   **extra: Any) -> Callable[[int, int], Path] | None:
+    """save(step, epoch) for xscale.runtime.Loop: every rank gathers, rank 0 writes; None
+    without an output directory."""
+    if output_dir is None:
+        return None
+
+    def save_step(step: int, epoch: int) -> Path:
+        state = training_state(model, optimizer, step, epoch, scaler, **extra)
+        if is_main:
+            save(output_dir, step, state, keep=keep)
+        return checkpoint_path(output_dir, step)
+
+    return save_step

@@ -8,14 +8,13 @@ repeated samples, so counts summed over ranks are exactly the data set.
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from xscale.cli import UserError
+from xscale.lifecycle import UserError, worker_context
 
 
 class ResumableSampler(DistributedSampler):
@@ -52,78 +51,55 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def ignore_stop_signal(worker_id: int) -> None:
-    """DataLoader worker start: leave Slurm's SIGUSR1 to the training process.
-
-    Slurm signals every process of a task, workers included. A spawned worker would die of
-    SIGUSR1's default action and take the run down ("DataLoader worker killed") instead of
-    letting the trainer checkpoint at the end of the step. SIGTERM keeps its default: it is how
-    multiprocessing ends the workers at exit.
-    """
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-
-
-def shield_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker (spawned workers use it) with SIGUSR1 blocked,
-    so that Slurm's warning signal does not kill it too (a blocked signal stays blocked across
-    exec; only this call's thread has it blocked, and only for the call)."""
-    from multiprocessing import resource_tracker
-
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 def make_loader(dataset: Dataset, sampler: Sampler, *, batch_size: int, workers: int,
                 device: torch.device, drop_last: bool = False) -> DataLoader:
     """A DataLoader tuned for training from files: pinned memory on GPUs (asynchronous copies),
-    persistent workers (no re-spawn each epoch)."""
-    on_gpu = device.type == "cuda"
+    persistent workers (no re-spawn each epoch), started out of reach of Slurm's warning signal
+    (xscale.lifecycle.worker_context: spawned on GPUs, forked on the CPU)."""
+    on_gpu = device.type != "cpu"
     options: dict[str, Any] = {}
     if workers > 0:
-        options["worker_init_fn"] = ignore_stop_signal
         options["persistent_workers"] = True
         options["prefetch_factor"] = 4
-        if on_gpu:
-            # Workers are spawned, not forked, on GPUs: forking a process whose ROCm/CUDA
-            # runtime already runs threads can leave a worker hanging or crashing on a lock
-            # held by a thread that does not exist in the child (pytorch/pytorch#119845; the
-            # LUMI workshop's `set_start_method('spawn')`). Per loader, so the CPU path keeps
-            # fork's cheap start.
-            options["multiprocessing_context"] = "spawn"
-            shield_resource_tracker()
+        options["multiprocessing_context"] = worker_context(spawn=on_gpu)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                       pin_memory=on_gpu, drop_last=drop_last, **options)
 
 
-def steps_per_epoch(sampler: ResumableSampler, batch_size: int) -> int:
-    """Full batches per rank per epoch (the last partial batch is dropped)."""
-    steps = sampler.num_samples // batch_size
+def steps_per_epoch(sampler: ResumableSampler, batch_size: int, accumulation: int = 1) -> int:
+    """Optimizer steps per rank per epoch, each of `accumulation` full batches (what is left
+    over at the end of an epoch is dropped)."""
+    steps = sampler.num_samples // (batch_size * accumulation)
     if steps < 1:
-        raise UserError(f"{sampler.total_size} samples cannot make one batch of {batch_size} "
-                        f"on each of {sampler.num_replicas} ranks: lower --batch-size")
+        raise UserError(f"{sampler.total_size} samples cannot make one step of {accumulation} "
+                        f"batch(es) of {batch_size} on each of {sampler.num_replicas} ranks: "
+                        "lower --batch-size")
     return steps
 
 
 def train_batches(loader: DataLoader, sampler: ResumableSampler, *, start_step: int,
-                  epochs: int | None, max_steps: int | None) -> Iterator[tuple[int, int, Any]]:
-    """(global step, epoch, batch) from `start_step` until `epochs` or `max_steps` ends it.
+                  epochs: int | None, max_steps: int | None,
+                  accumulation: int = 1) -> Iterator[tuple[int, int, Any]]:
+    """(global step, epoch, micro-batch) from `start_step` until `epochs` or `max_steps` ends
+    it; `accumulation` micro-batches per step.
 
     The epoch and the place in it follow from the step, so a resumed run continues the
     interrupted epoch with the same shuffled order.
     """
-    per_epoch = steps_per_epoch(sampler, loader.batch_size or 1)
+    batch_size = loader.batch_size or 1
+    per_epoch = steps_per_epoch(sampler, batch_size, accumulation)
     step = start_step
     epoch = step // per_epoch
     while (epochs is None or epoch < epochs) and (max_steps is None or step < max_steps):
-        sampler.set_position(epoch, (step - epoch * per_epoch) * (loader.batch_size or 1))
-        for batch in loader:
-            if max_steps is not None and step >= max_steps:
-                return
+        sampler.set_position(epoch, (step - epoch * per_epoch) * accumulation * batch_size)
+        for index, batch in enumerate(loader):
+            if (max_steps is not None and step >= max_steps) or step >= (epoch + 1) * per_epoch:
+                break
             yield step, epoch, batch
-            step += 1
+            if (index + 1) % accumulation == 0:
+                step += 1
+        if max_steps is not None and step >= max_steps:
+            return
         epoch += 1
 
 

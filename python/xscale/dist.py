@@ -1,4 +1,4 @@
-"""Joining the process group from the variables run.sh (or torchrun) exports.
+"""Where a rank runs: its place in the job, its device, and the process group it joins.
 
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, NNODES, MASTER_ADDR, MASTER_PORT are
 the only inputs: they mean the same under Slurm, PBS, MPI and torchrun, because run.sh translates
@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from xscale.cli import UserError
+from xscale.lifecycle import UserError
 
 DEFAULT_TIMEOUT_S = 600
 
@@ -44,7 +44,7 @@ class DistContext:
     node_rank: int
     nnodes: int
     device: torch.device
-    backend: str
+    backend: str | None  # None: one process that joined no group (Hugging Face's Trainer)
 
     @property
     def is_main(self) -> bool:
@@ -134,38 +134,134 @@ def timeout_from_env(environ: Mapping[str, str] | None = None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def choose_backend(requested: str | None, on_gpu: bool,
-                   environ: Mapping[str, str] | None = None) -> str:
-    """The command line's backend, else XSCALE_BACKEND, else nccl on GPUs and gloo on CPUs.
+@dataclass(frozen=True)
+class Accelerator:
+    """What this torch can use: the accelerator's device type (None: CPU only), how many devices
+    this process sees, and which collective libraries are there for Intel GPUs."""
 
-    ROCm's torch reports its GPUs through torch.cuda and its "nccl" backend is RCCL.
-    """
-    env = os.environ if environ is None else environ
-    backend = (requested or env.get("XSCALE_BACKEND") or ("nccl" if on_gpu else "gloo")).lower()
-    if backend == "nccl" and not on_gpu:
-        raise UserError("backend nccl needs a GPU and torch sees none: use gloo on CPUs "
-                        "(--dist-backend gloo or XSCALE_BACKEND=gloo)")
-    return backend
+    type: str | None
+    count: int
+    xccl: bool = False  # built into torch from 2.8 on (ALCF's frameworks module from 2025.3.1)
+    ccl: bool = False  # oneccl_bindings_for_pytorch, in older frameworks modules
+    xpu_compiled: bool = False  # torch built with XPU support at all
+
+
+def probe_accelerator() -> Accelerator:
+    """The facts, from torch.accelerator: CUDA (which covers ROCm: HIP answers as "cuda"),
+    XPU (Intel GPUs; Aurora's tiles), or none."""
+    device = torch.accelerator.current_accelerator(check_available=True)
+    return Accelerator(
+        type=None if device is None else device.type,
+        count=torch.accelerator.device_count() if device is not None else 0,
+        xccl=dist.is_xccl_available(),
+        ccl=_oneccl_bindings_importable(),
+        xpu_compiled=torch.xpu._is_compiled(),
+    )
+
+
+def _oneccl_bindings_importable() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("oneccl_bindings_for_pytorch") is not None
 
 
 def choose_device(local_rank: int, gpu: int | None = None, require_gpu: bool = False,
+                  accel: Accelerator | None = None,
                   environ: Mapping[str, str] | None = None) -> torch.device:
-    """GPU number LOCAL_RANK (or `gpu`) of those visible, GPU 0 when the launcher gave each rank
-    exactly one; the CPU when torch sees no GPU."""
+    """Accelerator number LOCAL_RANK (or `gpu`) of those visible, number 0 when the launcher
+    gave each rank exactly one; the CPU when torch sees no accelerator.
+
+    A GPU asked for and missing is an error, never a silent run on the CPU: at 10% of the speed
+    it would spend the allocation and look like a hang.
+    """
     env = os.environ if environ is None else environ
-    if not torch.cuda.is_available():
+    accel = probe_accelerator() if accel is None else accel
+    if accel.type is None:
         if require_gpu or gpu is not None:
-            raise UserError("a GPU was asked for (--gpu) but torch sees none")
+            raise UserError(f"a GPU was asked for (--gpu) but torch {torch.__version__} sees none "
+                            f"({_no_gpu_reason(accel)})")
         return torch.device("cpu")
-    count = torch.cuda.device_count()
     index = local_rank if gpu is None else gpu
-    if count == 1:
+    if accel.count == 1:
         index = 0
-    elif not 0 <= index < count:
-        visible = env.get("ROCR_VISIBLE_DEVICES") or env.get("CUDA_VISIBLE_DEVICES") or "all"
-        raise UserError(f"GPU {index} asked for but only {count} are visible (visible: {visible})")
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    elif not 0 <= index < accel.count:
+        visible = next((f"{name}={env[name]}" for name in VISIBILITY_VARIABLES if env.get(name)),
+                       "all")
+        raise UserError(f"{accel.type} device {index} asked for (LOCAL_RANK or --gpu) but only "
+                        f"{accel.count} are visible ({visible})")
+    return torch.device(accel.type, index)
+
+
+VISIBILITY_VARIABLES = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+                        "ZE_AFFINITY_MASK")
+
+
+def _no_gpu_reason(accel: Accelerator) -> str:
+    if not accel.xpu_compiled and not torch.cuda._is_compiled():
+        return "this torch is a CPU-only build: on Aurora `module load frameworks`, on LUMI " \
+               "use a ROCm image"
+    return "no CUDA, ROCm or XPU device is visible to this process"
+
+
+# The backend each device type takes when the user names none. nccl is RCCL in ROCm's torch.
+# Intel GPUs: xccl, built into torch from 2.8 and the form ALCF's "PyTorch on Aurora" page
+# documents since the frameworks module 2025.3.1 ("the backend must be changed to xccl from
+# ccl"; docs.alcf.anl.gov/aurora/data-science/frameworks/pytorch/). Older modules only have
+# ccl, registered by `import oneccl_bindings_for_pytorch`: used when xccl is missing.
+KNOWN_BACKENDS = ("nccl", "xccl", "ccl", "gloo", "mpi")
+BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "ccl": "xpu"}
+# init_process_group(device_id=...) forms the communicator at once, so a broken network fails
+# at start-up rather than at the first all-reduce; "Currently ... only under NCCL" (PyTorch,
+# torch.distributed.init_process_group).
+EAGER_INIT_BACKENDS = ("nccl",)
+
+
+def choose_backend(requested: str | None, device: torch.device, accel: Accelerator | None = None,
+                   environ: Mapping[str, str] | None = None) -> str:
+    """The command line's backend, else XSCALE_BACKEND, else the device's: nccl on CUDA/ROCm,
+    xccl (or ccl) on XPU, gloo on the CPU. A backend the device cannot use is a UserError."""
+    env = os.environ if environ is None else environ
+    accel = probe_accelerator() if accel is None else accel
+    named = (requested or env.get("XSCALE_BACKEND") or "").strip().lower()
+    backend = named or _default_backend(device.type, accel)
+    if backend not in KNOWN_BACKENDS:
+        raise UserError(f"backend '{backend}' is not one of {', '.join(KNOWN_BACKENDS)}")
+    needs = BACKEND_DEVICE.get(backend)
+    if needs is not None and device.type != needs:
+        what = "an Intel GPU (XPU)" if needs == "xpu" else "a CUDA or ROCm GPU"
+        raise UserError(f"backend {backend} needs {what} and this rank runs on {device.type}: "
+                        "use gloo on CPUs (--dist-backend gloo or XSCALE_BACKEND=gloo)")
+    if backend == "xccl" and not accel.xccl:
+        raise UserError(f"backend xccl is not built into torch {torch.__version__}: use ccl with "
+                        "oneccl_bindings_for_pytorch, or a newer frameworks module")
+    if backend == "ccl" and not accel.ccl:
+        raise UserError("backend ccl needs oneccl_bindings_for_pytorch, which is not installed")
+    return backend
+
+
+def _default_backend(device_type: str, accel: Accelerator) -> str:
+    if device_type == "cuda":
+        return "nccl"
+    if device_type == "xpu":
+        if accel.xccl:
+            return "xccl"
+        if accel.ccl:
+            return "ccl"
+        raise UserError(f"torch {torch.__version__} sees Intel GPUs but has no collective "
+                        "backend for them (neither xccl nor oneccl_bindings_for_pytorch)")
+    return "gloo"
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this process's current one (allocations, streams, the barrier at exit)."""
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+
+
+def register_backend(backend: str) -> None:
+    """ccl exists only after oneccl_bindings_for_pytorch is imported (it registers itself)."""
+    if backend == "ccl":
+        import oneccl_bindings_for_pytorch  # noqa: F401
 
 
 def init_distributed(
@@ -179,30 +275,25 @@ def init_distributed(
 ) -> DistContext:
     """Join the process group (every rank calls this once) and pick this rank's device.
 
+    Every check (placement, device, backend, rendezvous variables) comes before the group is
+    joined, so a mistake is one line on every rank and nothing is half set up.
     init_method: None or "env://" reads MASTER_ADDR/MASTER_PORT; "tcp://HOST:PORT" as in
     pytorch/examples' --dist-url. A single process gets a private in-memory store, so
     collectives, DDP and DeepSpeed work unchanged without any rendezvous.
     """
     where = read_placement(rank=rank, world_size=world_size)
     timeout = timeout_from_env()
-    device = choose_device(where.local_rank, gpu, require_gpu)
-    backend = choose_backend(backend, device.type == "cuda")
+    accel = probe_accelerator()
+    device = choose_device(where.local_rank, gpu, require_gpu, accel)
+    backend = choose_backend(backend, device, accel)
+    rendezvous = _rendezvous(init_method, where.world_size)
+    use_device(device)
     if not dist.is_initialized():
+        register_backend(backend)
         options: dict = {"backend": backend, "rank": where.rank,
-                         "world_size": where.world_size, "timeout": timeout}
-        if backend == "nccl":
-            options["device_id"] = device  # eager NCCL/RCCL communicator on the right GPU
-        url = None if init_method in (None, "", "env://") else init_method
-        if url is None and where.world_size == 1:
-            options["store"] = dist.HashStore()
-        elif url is None:
-            for name in ("MASTER_ADDR", "MASTER_PORT"):
-                if not os.environ.get(name):
-                    raise UserError(f"{name} is not set: start the trainer through "
-                                    "runscripts/run.sh or torchrun, or pass --dist-url")
-            options["init_method"] = "env://"
-        else:
-            options["init_method"] = url
+                         "world_size": where.world_size, "timeout": timeout, **rendezvous}
+        if backend in EAGER_INIT_BACKENDS:
+            options["device_id"] = device
         dist.init_process_group(**options)
     return DistContext(
         rank=where.rank,
@@ -216,11 +307,25 @@ def init_distributed(
     )
 
 
+def _rendezvous(init_method: str | None, world_size: int) -> dict:
+    url = None if init_method in (None, "", "env://") else init_method
+    if url is not None:
+        return {"init_method": url}
+    if world_size == 1:
+        return {"store": dist.HashStore()}
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise UserError(f"{name} is not set: start the trainer through runscripts/run.sh "
+                            "or torchrun, or pass --dist-url")
+    return {"init_method": "env://"}
+
+
 def collective_device() -> torch.device:
-    """Where a tensor must live for the current group's collectives: NCCL/RCCL reduce only GPU
-    memory, gloo only host memory."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    """Where a tensor must live for the current group's collectives: NCCL/RCCL and oneCCL on
+    XPU reduce device memory, gloo host memory."""
+    if dist.is_initialized() and dist.get_backend() in BACKEND_DEVICE:
+        return torch.device(BACKEND_DEVICE[dist.get_backend()],
+                            torch.accelerator.current_device_index())
     return torch.device("cpu")
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from xscale import checkpoint
-from xscale.cli import UserError
+from xscale.lifecycle import UserError
 
 TAG = re.compile(r"^global_step(\d+)$")
 
@@ -113,3 +114,19 @@ def load(engine: Any, output_dir: Path, rank: int) -> tuple[int, int] | None:
     if len(streams) == len(steps):
         checkpoint.set_rng_state(streams[rank])
     return int(found["step"]), int(found.get("epoch", 0))
+
+
+def resume(engine: Any, output_dir: Path | None, rank: int, enabled: bool = True) -> int | None:
+    """The step a run resumes from after DeepSpeed restored its newest checkpoint, or None."""
+    if output_dir is None or not enabled:
+        return None
+    position = load(engine, output_dir, rank)
+    return None if position is None else position[0]
+
+
+def saver(engine: Any, output_dir: Path | None, keep: int) -> Callable[[int, int], Path] | None:
+    """save(step, epoch) for xscale.runtime.Loop (every rank writes its shard); None without an
+    output directory."""
+    if output_dir is None:
+        return None
+    return lambda step, epoch: save(engine, output_dir, step, epoch, keep)

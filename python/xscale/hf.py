@@ -1,41 +1,90 @@
-"""Glue between xscale and Hugging Face's Trainer: callbacks for signals, run records, TensorBoard.
+"""xscale's runtime inside Hugging Face's Trainer: its device and backend, the stop vote, shielded
+DataLoader workers, and the one XSCALE_SUMMARY.
 
-Trainer already does the distributed work (DDP from the torchrun variables run.sh exports, the
-DistributedSampler, rank-0-only tqdm and checkpoints); these callbacks only connect it to what
-every xscale trainer reports and how every xscale trainer stops.
+Trainer runs its own loop (DDP from the torchrun variables run.sh exports, the
+DistributedSampler, rank-0-only tqdm and checkpoints); XscaleTrainer and the callbacks here only
+connect it to what every xscale trainer reports and how every xscale trainer stops.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import profiling, signals
-from xscale.throughput import Throughput
+from xscale import accounting, lifecycle, profiling, runtime
+from xscale.dist import (
+    DistContext,
+    Placement,
+    choose_backend,
+    choose_device,
+    probe_accelerator,
+)
 
 TRAINER_STATE = "trainer_state.json"
 
 
-class StopOnSignal(TrainerCallback):
-    """On SIGUSR1/SIGTERM (Slurm's warning before the time limit, or scancel), save a checkpoint
-    at the end of the current step and end training, so the run exits 0 and a requeued job
-    resumes from that step instead of losing everything since the last periodic save.
+def device_and_backend(placement: Placement) -> tuple[torch.device, str]:
+    """xscale's choice for Trainer (device from torch.accelerator, backend from the device,
+    XSCALE_BACKEND winning), made before Trainer joins the group so a mistake is one line."""
+    accel = probe_accelerator()
+    device = choose_device(placement.local_rank, accel=accel)
+    return device, choose_backend(None, device, accel)
 
-    All ranks must stop at the same step (Trainer's save and DDP's next all-reduce are
-    collective), so the decision is xscale.signals' rank-agreed one, asked once per step.
+
+def context(placement: Placement, device: torch.device, backend: str | None) -> DistContext:
+    return DistContext(rank=placement.rank, world_size=placement.world_size,
+                       local_rank=placement.local_rank,
+                       local_world_size=placement.local_world_size,
+                       node_rank=placement.node_rank, nnodes=placement.nnodes, device=device,
+                       backend=backend)
+
+
+class XscaleTrainer(Trainer):
+    """Trainer whose DataLoader workers start out of reach of Slurm's warning signal.
+
+    Trainer gives DataLoader a start-method name; a worker spawned from it dies of the SIGUSR1
+    that Slurm sends to every process of the step. The loaders Trainer builds get xscale's
+    shielded context instead (xscale.lifecycle.worker_context), before their workers start.
     """
 
-    def __init__(self) -> None:
+    def get_train_dataloader(self) -> DataLoader:
+        return shield_workers(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, *args: Any, **kwargs: Any) -> DataLoader:
+        return shield_workers(super().get_eval_dataloader(*args, **kwargs))
+
+
+def shield_workers(loader: DataLoader) -> DataLoader:
+    """Give `loader` (or the DataLoader inside accelerate's adapter, which iterates it) the
+    shielded context; a loader without workers has no use for one."""
+    inner = getattr(loader, "base_dataloader", loader)
+    shielded = (lifecycle.ShieldedSpawnContext, lifecycle.ShieldedForkContext)
+    if inner.num_workers > 0 and not isinstance(inner.multiprocessing_context, shielded):
+        spawn = multiprocessing.get_start_method(allow_none=True) == "spawn"
+        inner.multiprocessing_context = lifecycle.worker_context(spawn=spawn)
+    return loader
+
+
+class StopOnSignal(TrainerCallback):
+    """The runtime's stop vote on Trainer's steps: every STOP_VOTE_EVERY steps and at the last,
+    all ranks ask whether any received SIGUSR1/SIGTERM; if so, Trainer saves a checkpoint at
+    the end of this step and ends training, and the run exits 0."""
+
+    def __init__(self, every: int = runtime.STOP_VOTE_EVERY) -> None:
+        self.every = every
         self.stopped_at: int | None = None
 
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
-    ) -> TrainerControl:
-        if signals.should_stop():
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> TrainerControl:
+        due = state.global_step % self.every == 0 or state.global_step >= state.max_steps
+        if due and runtime.vote_to_stop():
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
@@ -44,7 +93,7 @@ class StopOnSignal(TrainerCallback):
 
 class RunRecord(TrainerCallback):
     """What this `train()` call did: its first and last step, the losses it logged, and its
-    throughput through xscale.throughput (first step left out as warm-up).
+    throughput through xscale.accounting (first step left out as warm-up).
 
     Trainer's log_history also holds the entries of the run a checkpoint came from, so the
     losses are collected from `on_log` of this call's steps. Trainer logs the mean loss over
@@ -53,18 +102,17 @@ class RunRecord(TrainerCallback):
     evaluations and checkpoints inside training, as the job's time does.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.start_step = 0
         self.end_step = 0
         self.losses: list[float] = []
-        self.throughput: Throughput | None = None
+        self.throughput = accounting.Throughput(device, warmup_steps=1)
         self._tokens_seen = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Called after Trainer restored the checkpoint's state: global_step is where we resume.
         self.start_step = self.end_step = state.global_step
         self._tokens_seen = state.num_input_tokens_seen
-        self.throughput = Throughput(args.device, warmup_steps=1)
         self.throughput.start()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -82,15 +130,6 @@ class RunRecord(TrainerCallback):
         self.throughput.stop()
         self.end_step = state.global_step
 
-    def rates(self) -> dict[str, float]:
-        """samples_per_s and tokens_per_s summed over ranks, and the training seconds (a
-        collective: every rank calls it)."""
-        if self.throughput is None:
-            return {"samples_per_s": 0.0, "tokens_per_s": 0.0, "train_seconds": 0.0}
-        rates = self.throughput.reduced()
-        return {"samples_per_s": rates["samples_per_s"], "tokens_per_s": rates["tokens_per_s"],
-                "train_seconds": self.throughput.local().seconds}
-
 
 class ProfileSteps(TrainerCallback):
     """xscale's profiling window (PROFILE_STEP_START, PROFILE_STEPS, from run-profile.sh) on
@@ -104,6 +143,20 @@ class ProfileSteps(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.window.close()
+
+
+def write_summary(ctx: DistContext, model: torch.nn.Module, trainer: str, started: float,
+                  args: TrainingArguments, record: RunRecord, stop: StopOnSignal,
+                  checkpoint: str | None, **own: Any) -> None:
+    """xscale.runtime's XSCALE_RANK and XSCALE_SUMMARY lines for a Trainer run."""
+    runtime.write_summary(
+        ctx, model, trainer=trainer, started=started, start_step=record.start_step,
+        steps=record.end_step, meter=record.throughput,
+        loss_first=record.losses[0] if record.losses else None,
+        loss_last=record.losses[-1] if record.losses else None,
+        stopped=stop.stopped_at is not None, checkpoint=checkpoint,
+        batch_size=args.per_device_train_batch_size,
+        accumulation=args.gradient_accumulation_steps, counts_tokens=True, **own)
 
 
 def tensorboard(logging_dir: str) -> TensorBoardCallback:

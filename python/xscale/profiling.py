@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from xscale.cli import UserError
+from xscale.lifecycle import UserError
 
 DEFAULT_START = 10
 DEFAULT_STEPS = 32

@@ -16,8 +16,8 @@ from torch import nn
 from torchvision import datasets, transforms
 
 from xscale import staging
-from xscale.cli import UserError
 from xscale.dist import DistContext
+from xscale.lifecycle import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -1,0 +1,210 @@
+"""The trainer runtime: what every trainer does around its own model, data and step.
+
+    ctx = runtime.start(PROG, require_gpu=args.gpu)        # signals, device, backend, group
+    loop = runtime.Loop(ctx, TRAINER, ...)                  # from the resumed step
+    for epoch, batch in loop.batches(loader, sampler):      # micro-batches, until done or stopped
+        ... forward, backward, optimizer step when loop.boundary ...
+        loop.record(loss, samples)                          # rates, log, checkpoint, stop vote
+    loop.finish()                                           # last checkpoint, stop message
+    loop.report(model, **own_fields)                        # XSCALE_RANK and XSCALE_SUMMARY
+
+Hugging Face's Trainer runs its own loop; xscale.hf plugs the same stop vote, summary and
+shielded workers into it.
+
+The stop protocol. A stop signal (xscale.lifecycle) only sets a local flag; the ranks vote on it
+every `sync_every` steps (and at the last step), in the all_reduce that already reduces the
+loss for the log, so stopping costs no collective and no host sync of its own. Every rank counts
+the same steps, so all vote at the same step, stop after it, save one checkpoint and exit 0; a
+requeued job resumes from it. Slurm's warning comes minutes before the limit (the templates'
+`--signal=B:USR1@300`), ample for a few steps more.
+
+One checkpoint cadence for every trainer: every `checkpoint_every` steps when asked, at the end,
+and at a stop; never twice for the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from xscale import accounting, data, lifecycle, profiling
+from xscale.dist import DistContext, init_distributed
+
+# Hugging Face's Trainer, whose loss log cannot carry the vote, votes on its own every this many
+# steps: a few seconds apart on a GPU, well inside Slurm's warning.
+STOP_VOTE_EVERY = 10
+
+
+def start(prog: str, **options: Any) -> DistContext:
+    """Catch the stop signals, then join the process group on this rank's device (options:
+    xscale.dist.init_distributed's). Signals first: the warning may come during start-up."""
+    lifecycle.install_stop_handlers()
+    ctx = init_distributed(**options)
+    return ctx
+
+
+def vote_to_stop(extra: Callable[..., dict[str, float]] | None = None) -> bool:
+    """Whether any rank received a stop signal: a collective, all ranks at the same step.
+    `extra` reduces the flag along with other sums (TrainLog.flush); alone it is one all_reduce
+    of one number."""
+    flag = 0.0 if lifecycle.stop_received() is None else 1.0
+    reduce = extra or (lambda **values: accounting.all_reduce_sums(values))
+    return reduce(stop=flag)["stop"] > 0
+
+
+def stop_message(prog: str, step: int, saved: object | None) -> str:
+    """The line rank 0 prints after a stop (it may not have received the signal itself)."""
+    name = lifecycle.signal_name(lifecycle.stop_received()) or "a signal to another rank"
+    where = saved if saved is not None else "none (no output directory)"
+    return f"{prog}: stopped by {name} at step {step}; checkpoint {where}"
+
+
+class Loop:
+    """This rank's training loop bookkeeping, from `start_step` to `end_step` (None: unbounded).
+
+    save(step, epoch) writes a checkpoint (a collective where the trainer's checkpoint is) and
+    returns where; None when the run has no output directory.
+    """
+
+    def __init__(self, ctx: DistContext, trainer: str, prog: str, *, start_step: int,
+                 end_step: int | None, per_epoch: int, sync_every: int,
+                 save: Callable[[int, int], Path] | None, checkpoint_every: int = 0,
+                 resumed: bool = False, accumulation: int = 1, batch_size: int,
+                 tensorboard_dir: Path | None = None, warmup_steps: int = 1) -> None:
+        self.ctx, self.trainer, self.prog = ctx, trainer, prog
+        self.started = time.perf_counter()
+        self.start_step = self.step = start_step
+        self.end_step, self.per_epoch = end_step, per_epoch
+        self.epoch = start_step // per_epoch
+        self.save_fn, self.checkpoint_every = save, checkpoint_every
+        self.accumulation, self.batch_size = accumulation, batch_size
+        self.saved_step = start_step if resumed else None
+        self.saved_path: Path | None = None
+        self.stopped = False
+        self._micro = 0  # micro-batches of the optimizer step under way
+        self._voted_at: int | None = None
+        self.meter = accounting.Throughput(ctx.device, warmup_steps=warmup_steps)
+        self.log = accounting.TrainLog(is_main=ctx.is_main, start_step=start_step,
+                                       total_steps=end_step, log_every=sync_every,
+                                       tensorboard_dir=tensorboard_dir, desc=trainer)
+        self.window = profiling.window_from_env(ctx.rank, ctx.device)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def batches(self, loader: DataLoader, sampler: data.ResumableSampler,
+                epochs: int | None = None) -> Iterator[tuple[int, Any]]:
+        """(epoch, micro-batch) from the resumed position until the end step or a stop."""
+        self.meter.start()
+        for step_index, epoch, batch in data.train_batches(
+                loader, sampler, start_step=self.start_step, epochs=epochs,
+                max_steps=self.end_step, accumulation=self.accumulation):
+            self.window.step(step_index)
+            self.epoch = epoch
+            yield epoch, batch
+            if self.stopped:
+                return
+
+    @property
+    def boundary(self) -> bool:
+        """Whether the micro-batch under way completes an optimizer step."""
+        return self._micro + 1 == self.accumulation
+
+    def sync_gradients(self, model: nn.Module) -> AbstractContextManager:
+        """DDP's no_sync() on every micro-batch but the last of a step: one all-reduce per
+        optimizer step, not one per micro-batch."""
+        if self.boundary or not hasattr(model, "no_sync"):
+            return nullcontext()
+        return model.no_sync()
+
+    def record(self, loss: torch.Tensor, samples: int, tokens: int = 0) -> None:
+        """After each micro-batch: the loss and rates, then at a step's end the checkpoint
+        cadence and the stop vote."""
+        self.log.add(self.step, loss, samples)
+        self._micro += 1
+        if self._micro < self.accumulation:
+            return
+        self._micro = 0
+        self.step += 1
+        self.meter.step(samples * self.accumulation, tokens)
+        self.log.advance()
+        if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            self._save()
+        if self.log.due(self.step) or self.step == self.end_step:
+            self._vote()
+
+    @property
+    def epoch_ended(self) -> bool:
+        """The step just recorded closed an epoch that is not the run's last (evaluate now)."""
+        return (not self.stopped and self._micro == 0 and self.step % self.per_epoch == 0
+                and self.step != self.end_step)
+
+    def _vote(self) -> None:
+        self._voted_at = self.step
+        if vote_to_stop(self.log.flush):
+            self.stopped = True
+
+    def _save(self) -> None:
+        if self.save_fn is not None and self.saved_step != self.step:
+            self.saved_path = self.save_fn(self.step, self.epoch)
+            self.saved_step = self.step
+
+    # ---- the end --------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Stop the clocks, take the last vote if the last step had none, save the last
+        checkpoint, and say so on rank 0 after a stop."""
+        self.meter.stop()
+        self.window.close()
+        if self._voted_at != self.step:
+            self._vote()
+        self.log.close()
+        self._save()
+        if self.stopped and self.ctx.is_main:
+            print(stop_message(self.prog, self.step, self.saved_path), flush=True)
+
+    def report(self, model: nn.Module, **own: Any) -> None:
+        """XSCALE_RANK on every rank, XSCALE_SUMMARY on rank 0 (the rates are reduced: every
+        rank calls this)."""
+        write_summary(self.ctx, model, trainer=self.trainer, started=self.started,
+                      start_step=self.start_step, steps=self.step, meter=self.meter,
+                      loss_first=self.log.loss_first, loss_last=self.log.loss_last,
+                      stopped=self.stopped, checkpoint=self.saved_path,
+                      batch_size=self.batch_size, accumulation=self.accumulation,
+                      counts_tokens=False, **own)
+
+
+def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: float,
+                  start_step: int, steps: int, meter: accounting.Throughput,
+                  loss_first: float | None, loss_last: float | None, stopped: bool,
+                  checkpoint: object | None, batch_size: int, accumulation: int,
+                  counts_tokens: bool, **own: Any) -> None:
+    """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer."""
+    rates = meter.reduced()
+    accounting.rank_record(rank=ctx.rank, local_rank=ctx.local_rank,
+                           node=accounting.node_name(), steps=steps,
+                           param_digest=accounting.param_digest(model))
+    if not ctx.is_main:
+        return
+    common = {
+        "trainer": trainer, "world_size": ctx.world_size, "nodes": ctx.nnodes,
+        "device": ctx.device.type, "backend": ctx.backend,
+        "start_step": start_step, "steps": steps, "batch_size": batch_size,
+        "global_batch_size": batch_size * accumulation * ctx.world_size,
+        "accumulation": accumulation,
+        "samples_per_s": rates["samples_per_s"],
+        "samples_per_s_per_rank": rates["samples_per_s_per_rank"],
+        "tokens_per_s": rates["tokens_per_s"] if counts_tokens else None,
+        "loss_first": loss_first, "loss_last": loss_last,
+        "seconds": time.perf_counter() - started, "train_seconds": meter.local().seconds,
+        "stopped_early": stopped,
+        "signal": lifecycle.signal_name(lifecycle.stop_received()),
+        "checkpoint": checkpoint,
+    }
+    accounting.emit(**accounting.summary_fields(common, own))
