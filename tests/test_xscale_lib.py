@@ -837,3 +837,28 @@ def test_bad_deepspeed_configs_are_user_errors(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(UserError, match="expected a JSON object"):
         ds.load_config(tmp_path / "list.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# report: the readable summary of a job's output
+# ---------------------------------------------------------------------------------------------
+
+
+def test_report_reads_a_run_that_resumed_and_took_no_step(tmp_path):
+    """A requeued job whose checkpoint was already at the last step logs no loss: the
+    summary's losses are null, and the report says so instead of crashing."""
+    record = {"trainer": "mnist_ddp", "world_size": 4, "nodes": 2, "start_step": 60,
+              "steps": 60, "samples_per_s": 0.0, "tokens_per_s": None, "loss_first": None,
+              "loss_last": None, "seconds": 3.5, "stopped_early": False, "accuracy": 0.97}
+    output = tmp_path / "job.out"
+    output.write_text("xscale: launcher=slurm site=generic nodes=2 master=nid001:29500\n"
+                      'XSCALE_RANK {"rank": 0, "node": "nid001"}\n'
+                      'XSCALE_RANK {"rank": 2, "node": "nid002"}\n'
+                      f"XSCALE_SUMMARY {json.dumps(record)}\n")
+    proc = subprocess.run([sys.executable, "-m", "xscale.report", str(output)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
+    assert proc.returncode == 0, proc.stderr
+    assert "none logged (0 steps taken, at step 60)" in proc.stdout
+    assert "4 ranks on 2 nodes (nid001, nid002)" in proc.stdout
+    assert "0 samples/s" in proc.stdout  # tokens_per_s null: the samples' rate instead

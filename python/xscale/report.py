@@ -28,9 +28,18 @@ def rendezvous(lines: list[str]) -> str:
 
 def throughput(summary: dict) -> str:
     for key, unit in (("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s")):
-        if key in summary:
+        if summary.get(key) is not None:
             return f"{summary[key]:,.0f} {unit} (all ranks)"
     return "n/a"
+
+
+def losses(summary: dict) -> str:
+    """First and last loss; a run that resumed and took no step logged none (both null)."""
+    first, last = summary.get("loss_first"), summary.get("loss_last")
+    steps = summary["steps"] - summary.get("start_step", 0)
+    if first is None or last is None:
+        return f"none logged ({steps} steps taken, at step {summary['steps']})"
+    return f"{first:.4f} -> {last:.4f} over {steps} steps (to step {summary['steps']})"
 
 
 def render(lines: list[str]) -> str:
@@ -44,12 +53,14 @@ def render(lines: list[str]) -> str:
         ("world size", f"{summary['world_size']} ranks on {len(nodes) or '?'} nodes "
                        f"({', '.join(nodes)})"),
         ("master", rendezvous(lines)),
-        ("loss", f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
-                 f"over {summary['steps']} steps"),
+        ("loss", losses(summary)),
         ("throughput", throughput(summary)),
         ("time", f"{summary['seconds']:.1f} s"),
     ]
-    if "accuracy" in summary:
+    if summary.get("stopped_early"):
+        rows.append(("stopped", f"by {summary.get('signal') or 'a signal to another rank'}; "
+                                f"checkpoint {summary.get('checkpoint')}"))
+    if summary.get("accuracy") is not None:
         rows.append(("accuracy", f"{summary['accuracy']:.3f} (all ranks)"))
     return "\n".join(f"  {name:<11} {value}" for name, value in rows)
 
