@@ -287,7 +287,7 @@ def train(args: argparse.Namespace) -> int:
         callbacks=[record, stop, profile, hf.tensorboard(logging_dir)],
     )
     trainer.train(resume_from_checkpoint=checkpoint)
-    saved = hf.newest_checkpoint(output_dir)
+    saved = hf.checkpoint_written(output_dir, record)
 
     results: dict[str, float] = {}
     if stop.stopped_at is None:  # after a signal the time left is for the checkpoint only

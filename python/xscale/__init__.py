@@ -1,5 +1,18 @@
-"""xscale: the shared library of the trainers in python/ (one module per concern).
+"""xscale: the shared library of the trainers in python/.
 
 Trainers run as `python python/NAME.py`, so python/ is on sys.path and this package imports
-as `xscale`; nothing here is installed. Import the modules you need (`from xscale import dist`).
+as `xscale`; nothing here is installed. A trainer keeps its model, data and step, and goes
+through `runtime` for everything else. Imports run one way, down this list:
+
+    runtime     start(), Loop: micro-batches and accumulation, checkpoint cadence, the stop
+                vote every N steps, the end of a run and its XSCALE_SUMMARY
+    hf, ds      adapters: Hugging Face's Trainer (XscaleTrainer, callbacks), DeepSpeed
+    vision      the ImageNet trainers' command line, data and models
+    checkpoint  atomic checkpoints, found by step; resume and save for plain DDP
+    data        resumable samplers and DataLoaders with shielded workers
+    profiling   the PROFILE_STEPS window; staging: tarballs unpacked once per node
+    accounting  sums over ranks, throughput, the loss log, XSCALE_RANK/XSCALE_SUMMARY lines
+    dist        placement from run.sh's variables, device (torch.accelerator), backend, group
+    lifecycle   user errors, stop signals, shielded child processes, the clean exit
+    report      `python -m xscale.report JOB_OUTPUT`: a readable summary of a finished run
 """

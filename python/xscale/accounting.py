@@ -38,8 +38,8 @@ from xscale.dist import collective_device
 RANK_TAG = "XSCALE_RANK"
 SUMMARY_TAG = "XSCALE_SUMMARY"
 # Every trainer's XSCALE_SUMMARY has these, in this order (a value may be null: tokens_per_s
-# where a trainer counts no tokens, losses of a run that took no step, checkpoint without an
-# output directory). One schema, so that report, bench and tests read any trainer alike.
+# where a trainer counts no tokens, losses of a run that took no step, checkpoint when this run
+# wrote none). One schema, so that report, bench and tests read any trainer alike.
 SUMMARY_FIELDS = (
     "trainer", "world_size", "nodes", "device", "backend",
     "start_step", "steps", "batch_size", "global_batch_size", "accumulation",

@@ -178,8 +178,8 @@ def choose_device(local_rank: int, gpu: int | None = None, require_gpu: bool = F
     accel = probe_accelerator() if accel is None else accel
     if accel.type is None:
         if require_gpu or gpu is not None:
-            raise UserError(f"a GPU was asked for (--gpu) but torch {torch.__version__} sees none "
-                            f"({_no_gpu_reason(accel)})")
+            raise UserError(f"a GPU was asked for (--gpu) but torch {torch.__version__} sees "
+                            f"none: {_no_gpu_reason(accel)}")
         return torch.device("cpu")
     index = local_rank if gpu is None else gpu
     if accel.count == 1:
@@ -197,10 +197,11 @@ VISIBILITY_VARIABLES = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VIS
 
 
 def _no_gpu_reason(accel: Accelerator) -> str:
-    if not accel.xpu_compiled and not torch.cuda._is_compiled():
-        return "this torch is a CPU-only build: on Aurora `module load frameworks`, on LUMI " \
-               "use a ROCm image"
-    return "no CUDA, ROCm or XPU device is visible to this process"
+    cuda = "no CUDA or ROCm device is visible" if torch.cuda._is_compiled() \
+        else "it is built without CUDA or ROCm"
+    xpu = "no XPU is visible" if accel.xpu_compiled \
+        else "it has no XPU support (Intel GPUs: on Aurora, `module load frameworks`)"
+    return f"{cuda}, and {xpu}"
 
 
 # The backend each device type takes when the user names none. nccl is RCCL in ROCm's torch.

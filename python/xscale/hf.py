@@ -73,9 +73,11 @@ def shield_workers(loader: DataLoader) -> DataLoader:
 
 
 class StopOnSignal(TrainerCallback):
-    """The runtime's stop vote on Trainer's steps: every STOP_VOTE_EVERY steps and at the last,
-    all ranks ask whether any received SIGUSR1/SIGTERM; if so, Trainer saves a checkpoint at
-    the end of this step and ends training, and the run exits 0."""
+    """The runtime's stop vote and checkpoint cadence on Trainer's steps. Every
+    STOP_VOTE_EVERY steps and at the last, all ranks ask whether any received SIGUSR1/SIGTERM;
+    if so, Trainer saves a checkpoint at the end of this step and ends training, and the run
+    exits 0. The last step is saved too, as in every xscale trainer (Trainer itself saves only
+    every save_steps)."""
 
     def __init__(self, every: int = runtime.STOP_VOTE_EVERY) -> None:
         self.every = every
@@ -83,8 +85,10 @@ class StopOnSignal(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
-        due = state.global_step % self.every == 0 or state.global_step >= state.max_steps
-        if due and runtime.vote_to_stop():
+        last = state.global_step >= state.max_steps
+        if last:
+            control.should_save = True
+        if (last or state.global_step % self.every == 0) and runtime.vote_to_stop():
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
@@ -157,6 +161,14 @@ def write_summary(ctx: DistContext, model: torch.nn.Module, trainer: str, starte
         stopped=stop.stopped_at is not None, checkpoint=checkpoint,
         batch_size=args.per_device_train_batch_size,
         accumulation=args.gradient_accumulation_steps, counts_tokens=True, **own)
+
+
+def checkpoint_written(output_dir: str, record: RunRecord) -> str | None:
+    """The checkpoint of the step this train() call ended at, if it wrote one."""
+    path = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{record.end_step}")
+    written = record.end_step > record.start_step and os.path.isfile(
+        os.path.join(path, TRAINER_STATE))
+    return path if written else None
 
 
 def tensorboard(logging_dir: str) -> TensorBoardCallback:

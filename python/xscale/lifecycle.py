@@ -208,8 +208,8 @@ def close_process_group(code: int) -> int:
         return code
     try:
         if code == 0:
-            if dist.get_backend() in ("nccl", "xccl", "ccl"):
-                # The barrier on this rank's own device, not device 0 of every rank.
+            if dist.get_backend() == "nccl":
+                # NCCL's barrier on this rank's own GPU, not GPU 0 of every rank.
                 dist.barrier(device_ids=[torch.accelerator.current_device_index()])
             else:
                 dist.barrier()

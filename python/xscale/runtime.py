@@ -46,16 +46,16 @@ def start(prog: str, **options: Any) -> DistContext:
     """Catch the stop signals, then join the process group on this rank's device (options:
     xscale.dist.init_distributed's). Signals first: the warning may come during start-up."""
     lifecycle.install_stop_handlers()
-    ctx = init_distributed(**options)
-    return ctx
+    return init_distributed(**options)
 
 
-def vote_to_stop(extra: Callable[..., dict[str, float]] | None = None) -> bool:
+def vote_to_stop(reduce: Callable[..., dict[str, float]] | None = None) -> bool:
     """Whether any rank received a stop signal: a collective, all ranks at the same step.
-    `extra` reduces the flag along with other sums (TrainLog.flush); alone it is one all_reduce
-    of one number."""
+    `reduce(stop=flag)` sums the flag over ranks along with other sums (TrainLog.flush); by
+    default it is one all_reduce of one number."""
     flag = 0.0 if lifecycle.stop_received() is None else 1.0
-    reduce = extra or (lambda **values: accounting.all_reduce_sums(values))
+    if reduce is None:
+        return accounting.all_reduce_sums({"stop": flag})["stop"] > 0
     return reduce(stop=flag)["stop"] > 0
 
 
