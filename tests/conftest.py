@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,36 @@ class Cluster:
             timeout=timeout,
             check=False,
         )
+
+    def srun_signalled(
+        self, *args: str, ready: Callable[[], bool], env: dict[str, str] | None = None,
+        signal_name: str = "USR1", timeout: float = 600,
+    ) -> subprocess.CompletedProcess[str]:
+        """srun ARGS as its own job; once ready() says training is under way, send SIGNAL to
+        the whole step as Slurm's --signal and scancel do (`scancel --signal=USR1 JOB.0`: every
+        process of every task, DataLoader workers included); then wait for the end."""
+        name = f"xscale-signalled-{os.getpid()}-{time.monotonic_ns()}"
+        proc = subprocess.Popen(["srun", "-J", name, *args], cwd=REPO, env=tool_env(env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while not ready():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    out, err = proc.communicate(timeout=60)
+                    raise AssertionError(f"srun ended or timed out before it was ready "
+                                         f"(status {proc.returncode}):\n{out[-3000:]}{err[-3000:]}")
+                time.sleep(0.2)
+            job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True,
+                                    text=True, timeout=30, check=True).stdout.strip()
+            assert job_id.isdigit(), f"no job named {name} in squeue: {job_id!r}"
+            subprocess.run(["scancel", f"--signal={signal_name}", f"{job_id}.0"], check=True,
+                           timeout=30)
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def submit(
         self,

@@ -1,0 +1,81 @@
+"""Every trainer ends with the same XSCALE_SUMMARY schema (xscale.accounting.SUMMARY_FIELDS,
+in that order, then the trainer's own fields): what xscale.report, the benchmarks and the job
+templates' users read, whichever trainer wrote it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from xscale.accounting import SUMMARY_FIELDS
+
+from tests.fixtures.imagefolder import write_imagefolder
+from tests.fixtures.mnist_idx import write_mnist
+
+REPO = Path(__file__).resolve().parent.parent
+EXTENSIONS = REPO / "build" / "torch-extensions"
+# The type every common field has in every trainer's summary (None: it may be null).
+TYPES = {
+    "trainer": str, "world_size": int, "nodes": int, "device": str, "backend": (str, None),
+    "start_step": int, "steps": int, "batch_size": int, "global_batch_size": int,
+    "accumulation": int, "samples_per_s": float, "samples_per_s_per_rank": float,
+    "tokens_per_s": (float, None), "loss_first": float, "loss_last": float, "seconds": float,
+    "train_seconds": float, "stopped_early": bool, "signal": (str, None),
+    "checkpoint": (str, None),
+}
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    from tests.fixtures.tiny_gpt_neo import build
+
+    root = tmp_path_factory.mktemp("schema")
+    mnist = write_mnist(root / "mnist", train=512, test=128)
+    images = write_imagefolder(root / "images")
+    model, imdb = build(root / "gpt")
+    vision = ["-a", "resnet18", "--image-size", "32", "-b", "16", "-j", "0", "--max-steps", "3",
+              "--output-dir", str(root / "{name}"), str(images)]
+    return {
+        "mnist_ddp": ["python/mnist_ddp.py", "--data", str(mnist), "--max-steps", "3",
+                      "--grad-accum-steps", "2", "--output-dir", str(root / "{name}")],
+        "imagenet": ["python/imagenet.py", *vision],
+        "imagenet_deepspeed": ["python/imagenet_deepspeed.py", "--deepspeed_config",
+                               "python/configs/ds_cpu_z1.json", *vision],
+        "gpt_neo_imdb": ["python/gpt_neo_imdb.py", "--pretrained-model", str(model),
+                         "--dataset", str(imdb), "--output-path", str(root / "{name}"),
+                         "--logging-path", str(root / "gpt-logs"), "--max-steps", "3",
+                         "--batch-size", "4", "--max-length", "32", "--num-workers", "0",
+                         "--logging-steps", "1", "--save-steps", "1000", "--eval-steps",
+                         "1000", "--sample-reviews", "0"],
+    }
+
+
+def test_every_trainer_writes_the_one_summary_schema(commands):
+    EXTENSIONS.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    for trainer, command in commands.items():
+        args = [arg.replace("{name}", trainer) for arg in command]
+        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600, check=False)
+        assert proc.returncode == 0, (trainer, proc.stderr[-3000:])
+        last = proc.stdout.rstrip().splitlines()[-1]
+        assert last.startswith("XSCALE_SUMMARY "), (trainer, last)  # the last line, always
+        record = json.loads(last.removeprefix("XSCALE_SUMMARY "))
+        assert tuple(record)[:len(SUMMARY_FIELDS)] == SUMMARY_FIELDS, (trainer, list(record))
+        for field, kind in TYPES.items():
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            value = record[field]
+            assert (value is None and None in kinds) or isinstance(
+                value, tuple(k for k in kinds if k is not None)), (trainer, field, value)
+        assert (record["trainer"], record["steps"], record["stopped_early"]) == (trainer, 3, False)
+        assert Path(record["checkpoint"]).exists(), (trainer, record["checkpoint"])
+        assert (record["tokens_per_s"] is not None) == (trainer == "gpt_neo_imdb"), trainer
+        assert record["global_batch_size"] == record["batch_size"] * record["accumulation"]
+    assert set(TYPES) == set(SUMMARY_FIELDS)
