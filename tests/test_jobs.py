@@ -704,3 +704,51 @@ def test_pbs_without_a_user_environment_skips_copper(path: Path, tmp_path: Path)
     last = env_lines((log / "rank5.env").read_text())
     assert (last["RANK"], last["LOCAL_RANK"], last["NODE_RANK"]) == ("5", "1", "2")
 
+
+
+@pytest.mark.parametrize("path", AURORA, ids=ids)
+def test_pbs_ranks_each_take_their_own_tile_with_xccl(path: Path, tmp_path: Path):
+    """What every rank's trainer makes of the environment PALS and run.sh give it, on an Aurora
+    node as torch describes one (12 tiles as xpu devices, xccl built in): the facts are given,
+    the choice is xscale's own code."""
+    from xscale.dist import Accelerator, choose_backend, choose_device
+
+    log = run_pbs(path, tmp_path, ["x4102c5s2b0n0", "x4102c5s3b0n0"])
+    aurora_node = Accelerator("xpu", 12, xccl=True, xpu_compiled=True)
+    places = []
+    for rank in range(24):
+        env = env_lines((log / f"rank{rank}.env").read_text())
+        assert env["ZE_FLAT_DEVICE_HIERARCHY"] == "FLAT"  # tiles are devices
+        assert "ZE_AFFINITY_MASK" not in env  # all 12 visible: the rank picks LOCAL_RANK's
+        device = choose_device(int(env["LOCAL_RANK"]), require_gpu=True, accel=aurora_node,
+                               environ=env)
+        assert choose_backend(None, device, aurora_node, environ=env) == "xccl"
+        places.append((env["NODE_RANK"], str(device)))
+    assert len(set(places)) == 24  # one rank per tile, no tile shared
+    assert {device for _, device in places} == {f"xpu:{tile}" for tile in range(12)}
+
+
+@pytest.mark.parametrize("path", AURORA, ids=ids)
+def test_pbs_on_a_torch_without_xpu_stops_each_rank_with_one_line(path: Path, tmp_path: Path):
+    """This machine's torch has no XPU support, as a job without the frameworks module would
+    have: the trainer, in a rank's environment from the template, refuses at once with one line
+    and status 2 rather than training on the CPU, and writes nothing."""
+    log = run_pbs(path, tmp_path, ["x4102c5s2b0n0", "x4102c5s3b0n0"])
+    env = env_lines((log / "rank13.env").read_text())
+    argv = (log / "argv").read_text().splitlines()
+    trainer_args = argv[argv.index(str(REPO / "python" / "mnist_ddp.py")) + 1:]
+    assert "--gpu" in trainer_args  # the template's default
+    output_dir = Path(trainer_args[trainer_args.index("--output-dir") + 1])
+    data_dir = tmp_path / "mnist"
+    subprocess.run([sys.executable, "tests/fixtures/mnist_idx.py", str(data_dir)], cwd=REPO,
+                   check=True, capture_output=True, timeout=120)
+    trainer_args[trainer_args.index("--data") + 1] = str(data_dir)
+    proc = subprocess.run([sys.executable, str(REPO / "python" / "mnist_ddp.py"), *trainer_args],
+                          cwd=tmp_path, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mnist_ddp.py: error: a GPU was asked for"), \
+        proc.stderr
+    assert "XPU support" in lines[0] or "no XPU is visible" in lines[0]
+    assert proc.stdout == "" and not output_dir.exists()
