@@ -37,6 +37,8 @@ from torch.utils.data import DataLoader
 from xscale import accounting, data, lifecycle, profiling
 from xscale.dist import DistContext, init_distributed
 
+# The summary's `seconds` run from here: the trainer's imports are done, nothing else is.
+STARTED = time.perf_counter()
 # Hugging Face's Trainer, whose loss log cannot carry the vote, votes on its own every this many
 # steps: a few seconds apart on a GPU, well inside Slurm's warning.
 STOP_VOTE_EVERY = 10
@@ -79,7 +81,7 @@ class Loop:
                  resumed: bool = False, accumulation: int = 1, batch_size: int,
                  tensorboard_dir: Path | None = None, warmup_steps: int = 1) -> None:
         self.ctx, self.trainer, self.prog = ctx, trainer, prog
-        self.started = time.perf_counter()
+        self.started = STARTED
         self.start_step = self.step = start_step
         self.end_step, self.per_epoch = end_step, per_epoch
         self.epoch = start_step // per_epoch
