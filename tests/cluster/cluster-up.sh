@@ -174,7 +174,7 @@ stop_slurmd_of_other_checkout() {
   pidfile=$(xsc_slurmd_pidfile "$node")
   xsc_alive "$pidfile" || return 0
   read -r recorded 2>/dev/null <"$(xsc_node_dir "$node")/checkout" || true
-  [[ $recorded == "$XSC_CHECKOUT" ]] && return 0
+  [[ $recorded == "$(xsc_checkout_id)" ]] && return 0
   xsc_say "$node served ${recorded:-another checkout}; restarting its slurmd for $XSC_CHECKOUT"
   read -r pid <"$pidfile"
   kill -TERM "$pid" 2>/dev/null || true

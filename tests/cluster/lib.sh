@@ -74,11 +74,15 @@ xsc_start_slurmd() {
   mkdir -p "/var/spool/slurmd/$node"
   # The checkout stays visible on the node even when it was cloned into /tmp: it plays the
   # shared file system. Recorded, so that cluster-up run from another checkout can tell.
-  printf '%s\n' "$XSC_CHECKOUT" >"$(xsc_node_dir "$node")/checkout"
+  xsc_checkout_id >"$(xsc_node_dir "$node")/checkout"
   XSCALE_CLUSTER_SHARED=$XSC_CHECKOUT nsenter --net="/run/netns/$node" -- \
     unshare --mount --uts --propagation private -- \
     bash "$XSC_DIR/node-boot.sh" "$node" "$(xsc_node_dir "$node")"
 }
+
+# The checkout's path and inode: a checkout deleted and cloned again at the same path is another
+# directory, which a node started for the old one cannot see through its bind.
+xsc_checkout_id() { stat -c '%n %d:%i' "$XSC_CHECKOUT"; }
 
 # True when sinfo shows every named node idle.
 xsc_all_idle() {
