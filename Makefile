@@ -36,7 +36,7 @@ $(STAMP): requirements.txt requirements-deepspeed.txt constraints.txt
 
 lint: setup
 	shellcheck $(SHELL_SOURCES)
-	$(VENV)/bin/ruff check python tests runscripts
+	$(VENV)/bin/ruff check python tests runscripts jobs
 
 # One pytest run for everything (the bats suites run from tests/test_bats.py), so CI reads one
 # closing line.

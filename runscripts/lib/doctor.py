@@ -71,10 +71,13 @@ class Rank:
     @staticmethod
     def from_env(env: Dict[str, str]) -> "Rank":
         job = env.get("SLURM_JOB_ID") or env.get("PBS_JOBID", "nojob").split(".")[0]
+        # A requeued job has the same id and step ids again: its reports are not the last run's.
+        restart = env.get("SLURM_RESTART_COUNT", "0")
+        step = env.get("SLURM_STEP_ID", "0") + ("" if restart == "0" else ".restart" + restart)
         return Rank(rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
                     local_rank=int(env.get("LOCAL_RANK", "0")), node=node_name(env),
                     master="%s:%s" % (env.get("MASTER_ADDR", "?"), env.get("MASTER_PORT", "?")),
-                    job_step="%s.%s" % (job, env.get("SLURM_STEP_ID", "0")))
+                    job_step="%s.%s" % (job, step))
 
 
 def node_name(env: Dict[str, str]) -> str:
@@ -546,18 +549,7 @@ def expected_nodes(env: Dict[str, str]) -> Dict[int, str]:
     tasks_text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if not nodes_text or not tasks_text:
         return {}
-    counts: List[int] = []
-    for group in tasks_text.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", group)
-        if not match:
-            return {}
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    placement, rank = {}, 0
-    for node, count in zip(hostlist.expand(nodes_text), counts):  # noqa: B905  (Python 3.8)
-        for _ in range(count):
-            placement[rank] = node
-            rank += 1
-    return placement
+    return hostlist.block_placement(list(hostlist.expand(nodes_text)), tasks_text)
 
 
 def judge(reports: Dict[int, dict], me: Rank, env: Dict[str, str], options) -> Verdict:

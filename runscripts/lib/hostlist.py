@@ -27,7 +27,7 @@ import os
 import re
 import signal
 import sys
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 MAX_RANGE_HOSTS = 65536  # Slurm's MAX_RANGE and MAX_PREFIX_CNT (hostlist.c)
 MAX_DIGITS = 18  # keeps numbers within the bash path's signed 64-bit arithmetic
@@ -212,6 +212,24 @@ def _bracket(prefix: str, width: int, numbers: List[int]) -> str:
     parts = ["%0*d" % (width, low) if low == high else "%0*d-%0*d" % (width, low, width, high)
              for low, high in spans]
     return "%s[%s]" % (prefix, ",".join(parts))
+
+
+def block_placement(nodes: Sequence[str], tasks_per_node: str) -> Dict[int, str]:
+    """rank -> node under Slurm's default block distribution, from the nodes and
+    SLURM_TASKS_PER_NODE ("2(x3),1": 2 tasks on each of 3 nodes, then 1); empty when the spec
+    does not parse."""
+    counts = []  # type: List[int]
+    for group in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", group.strip())
+        if not match:
+            return {}
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    placement, rank = {}, 0
+    for node, count in zip(nodes, counts):  # noqa: B905  (strict= is Python 3.10)
+        for _ in range(count):
+            placement[rank] = node
+            rank += 1
+    return placement
 
 
 def write_hosts(hosts: Iterator[str]) -> None:

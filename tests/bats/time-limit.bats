@@ -1,15 +1,17 @@
 #!/usr/bin/env bats
-# jobs/lib/time-limit.sh's decisions, with `scontrol` replaced by a recorder. The real
-# signal -> checkpoint -> requeue -> resume path runs on the virtual cluster
-# (tests/test_failures.py::test_time_limit_stops_saves_requeues_and_resumes).
+# jobs/lib/time-limit.sh's decisions, with `scontrol` replaced by a recorder and `sinfo` by a
+# node-state table. The real signal -> checkpoint -> requeue -> resume path and the real
+# failure -> blame -> retry path run on the virtual cluster (tests/test_failures.py).
 
 setup() {
   REPO=$(cd "$BATS_TEST_DIRNAME/../.." && pwd -P)
   WORK=$(mktemp -d)
   mkdir "$WORK/bin"
   printf '#!/bin/bash\necho "$*" >>"%s/scontrol.calls"\n' "$WORK" >"$WORK/bin/scontrol"
-  chmod +x "$WORK/bin/scontrol"
-  export PATH=$WORK/bin:$PATH SLURM_JOB_ID=42
+  printf '#!/bin/bash\ncat "%s/node-states" 2>/dev/null || true\n' "$WORK" >"$WORK/bin/sinfo"
+  chmod +x "$WORK/bin/scontrol" "$WORK/bin/sinfo"
+  export PATH=$WORK/bin:$PATH SLURM_JOB_ID=42 XSCALE_RECORDS_DIR=$WORK/records \
+    SLURM_JOB_NODELIST='nid[001-002]' SLURM_TASKS_PER_NODE='2(x2)'
 }
 
 teardown() {
@@ -101,4 +103,84 @@ JOB
   SLURM_ARRAY_JOB_ID=40 SLURM_ARRAY_TASK_ID=3 warned_job
   [ "$status" -eq 0 ]
   [ "$(cat "$WORK/scontrol.calls")" = "requeue 40_3" ]
+}
+
+@test "a step that finished its training when the warning came is not requeued" {
+  cat >"$WORK/job.sh" <<JOB
+set -euo pipefail
+source "$REPO/jobs/lib/time-limit.sh"
+requeueable_step bash -c "trap '' USR1; kill -USR1 \$\$; echo '0: XSCALE_SUMMARY {\"steps\": 60, \"stopped_early\": false}'"
+JOB
+  run bash "$WORK/job.sh"
+  [ "$status" -eq 0 ]
+  [[ $output == *"had finished its training when SIGUSR1 came: no requeue"* ]]
+  [ ! -e "$WORK/scontrol.calls" ]
+}
+
+# A failed step as srun --label prints it: rank 1 says LINE, then srun reports its exit and the
+# knock-on kill of the others.
+failed_job() {
+  cat >"$WORK/job.sh" <<JOB
+set -euo pipefail
+source "$REPO/jobs/lib/time-limit.sh"
+requeueable_step bash -c 'printf "0: step 10\n1: %s\n" "\$1"
+  printf "srun: error: nid001: task 1: Exited with exit code 1\nsrun: error: nid001: task 0: Killed\n" >&2
+  exit 1' step "$1"
+JOB
+  run bash "$WORK/job.sh"
+}
+
+HW_EXCEPTION='HW Exception by GPU node-4 (Agent handle: 0x1ebc04e0) reason :GPU Hang'
+
+@test "a step that a bad-node pattern blames is reported and requeued without that node" {
+  XSCALE_RETRY=1 XSCALE_BLAME="slurm lumi" failed_job "$HW_EXCEPTION"
+  [ "$status" -eq 1 ]
+  [[ $output == *"first failure: rank 1 on nid001: exited with exit code 1"* ]]
+  [[ $output == *"knock-on: 1 rank ended after it: rank 0 on nid001: killed"* ]]
+  [[ $output == *"blame: nid001: lumi.patterns [lumi-hsa-hw-exception] (rank 1)"* ]]
+  [[ $output == *"retry 1 of 3: requeueing job 42 without nid001"* ]]
+  [ "$(cat "$WORK/scontrol.calls")" = "show job 42
+requeue 42
+update JobId=42 ExcNodeList=nid001" ]
+  grep -q "run 0: excluded nid001" "$WORK/records/retries"
+}
+
+@test "a node Slurm set down during the step is blamed without any pattern" {
+  printf 'nid001 allocated\nnid002 down*\n' >"$WORK/node-states"
+  XSCALE_RETRY=1 failed_job "RuntimeError: Connection closed by peer"
+  [ "$status" -eq 1 ]
+  [[ $output == *"blame: nid002: Slurm set the node down* while the job ran"* ]]
+  [[ $(tail -n 1 "$WORK/scontrol.calls") == "update JobId=42 ExcNodeList=nid002" ]]
+}
+
+@test "a failure that blames no node is reported but not retried" {
+  XSCALE_RETRY=1 failed_job "ZeroDivisionError: division by zero"
+  [ "$status" -eq 1 ]
+  [[ $output == *"first failure: rank 1 on nid001"*"1: ZeroDivisionError"* ]]
+  [[ $output == *"blame: no node"* ]]
+  [ ! -e "$WORK/scontrol.calls" ]
+}
+
+@test "retries stop at XSCALE_MAX_RETRIES, and without XSCALE_RETRY the report says how to" {
+  mkdir -p "$WORK/records"
+  printf 'run 0: excluded nid003\nrun 1: excluded nid004\n' >"$WORK/records/retries"
+  XSCALE_RETRY=1 XSCALE_MAX_RETRIES=2 XSCALE_BLAME=lumi failed_job "$HW_EXCEPTION"
+  [[ $output == *"not retrying job 42 without nid001: 2 retries already (XSCALE_MAX_RETRIES=2)"* ]]
+  [ ! -e "$WORK/scontrol.calls" ]
+  XSCALE_BLAME=lumi failed_job "$HW_EXCEPTION"
+  [[ $output == *"to run again without nid001: sbatch --exclude=nid001"* ]]
+  [ ! -e "$WORK/scontrol.calls" ]
+}
+
+@test "bad retry settings and pattern files stop the job before its step, in one line" {
+  local setting
+  printf '[broken\n' >"$WORK/broken.patterns"
+  for setting in XSCALE_MAX_RETRIES=x3 XSCALE_RETRY=yes "XSCALE_BLAME=$WORK/broken.patterns"; do
+    run env "$setting" bash -c \
+      "set -euo pipefail; source '$REPO/jobs/lib/time-limit.sh'; requeueable_step touch '$WORK/ran'"
+    [ "$status" -eq 2 ]
+    [ "${#lines[@]}" -eq 1 ]
+    [[ $output == "xscale: error: "* ]]
+    [ ! -e "$WORK/ran" ]
+  done
 }
