@@ -658,6 +658,12 @@ def test_lumi_imagenet_restores_and_saves_the_miopen_cache(cluster, tmp_path, im
 FAKE_MPIEXEC = r"""#!/bin/bash
 set -euo pipefail
 log=$FAKE_MPI_LOG
+if [[ " $* " == *"/stage-node "* ]]; then  # jobs/lib/stage: one process per node
+  while [[ $1 != */stage-node ]]; do shift; done
+  printf '%s\n' "$*" >>"$log/stage-node"
+  while read -r node; do STAGE_NODE_NAME=${node%%.*} "$@"; done <"$PBS_NODEFILE"
+  exit 0
+fi
 printf '%s\n' "$@" >"$log/argv"
 printf '%s\n' "${PYTHONPATH:-}" >"$log/pythonpath"
 n="" ppn=""
@@ -758,6 +764,25 @@ def test_pbs_without_a_user_environment_skips_copper(path: Path, tmp_path: Path)
     last = env_lines((log / "rank5.env").read_text())
     assert (last["RANK"], last["LOCAL_RANK"], last["NODE_RANK"]) == ("5", "1", "2")
 
+
+
+@pytest.mark.parametrize("path", AURORA, ids=ids)
+def test_pbs_without_copper_stages_the_packages_once_per_node(path: Path, tmp_path: Path):
+    packages = tmp_path / "pkgs" / "xs_extra"
+    packages.mkdir(parents=True)
+    (packages / "__init__.py").write_text("")
+    stage = tmp_path / "stage"
+    log = run_pbs(path, tmp_path, ["x4102c5s2b0n0.hostmgmt2102.cm.aurora.alcf.anl.gov",
+                                   "x4102c5s3b0n0.hostmgmt2102.cm.aurora.alcf.anl.gov"],
+                  LUS_CONDA_PATH=str(tmp_path / "pkgs"), PACKAGE_CACHE="stage",
+                  XSCALE_STAGE_DEST=str(stage), XSCALE_STAGE_WORK=str(tmp_path / "work"))
+    # No Copper; the ranks import from the node-local copy, first on PYTHONPATH.
+    assert (log / "tools").read_text().splitlines() == ["module load frameworks"]
+    assert (log / "pythonpath").read_text().split(":")[0].strip() == f"{stage}/user-packages"
+    # One unpacking process per node (published once, checked, then removed when the job ended).
+    verbs = [line.split()[1] for line in (log / "stage-node").read_text().splitlines()]
+    assert verbs == ["publish", "clean"]
+    assert not stage.exists() and not (tmp_path / "work").exists()
 
 
 @pytest.mark.parametrize("path", AURORA, ids=ids)
