@@ -68,7 +68,8 @@ def test_there_are_the_lumi_templates_the_scenarios_need():
     assert AURORA
 
 
-HOST_LIBS = ["jobs/lib/time-limit.sh", "jobs/lib/container-paths.sh"]  # the templates source them
+# The templates source them.
+HOST_LIBS = ["jobs/lib/time-limit.sh", "jobs/lib/container-paths.sh", "jobs/lib/user-env.sh"]
 
 
 def test_every_template_is_shellcheck_clean():
@@ -122,9 +123,14 @@ FAKE_SRUN = r"""#!/usr/bin/env python3
 import json, os, signal, subprocess, sys, time
 log = os.environ["FAKE_LOG"]
 with open(os.path.join(log, "srun"), "a") as out:
-    record = {"argv": sys.argv[1:], "MASTER_ADDR": os.environ.get("MASTER_ADDR")}
+    record = {"argv": sys.argv[1:], "MASTER_ADDR": os.environ.get("MASTER_ADDR"),
+              **{k: v for k, v in os.environ.items() if k.startswith("SINGULARITYENV_")}}
     out.write(json.dumps(record) + "\n")
 command = [a for a in sys.argv[1:] if not a.startswith("-")]
+if command and command[0].endswith("/stage-node"):  # jobs/lib/stage: once per node
+    for node in ("nid001", "nid002"):
+        subprocess.run(command, env={**os.environ, "SLURMD_NODENAME": node})
+    sys.exit(0)
 if command and command[0] != "singularity":
     sys.exit(subprocess.run(sys.argv[1 + sys.argv[1:].index(command[0]):]).returncode)
 if os.environ.get("FAKE_SRUN_WAIT") and any("/runscripts/run" in a for a in sys.argv):
@@ -141,6 +147,11 @@ FAKE_SCONTROL = r"""#!/bin/bash
 if [[ $1 == show && $2 == hostnames ]]; then printf 'nid001\nnid002\n'; exit 0; fi
 printf '%s\n' "$*" >>"$FAKE_LOG/scontrol"
 """
+# sbcast to the two nodes: they share this machine's disk, so one copy stands for both.
+FAKE_SBCAST = r"""#!/bin/bash
+printf '%s\n' "$*" >>"$FAKE_LOG/sbcast"
+cp -- "${@: -2:1}" "${@: -1}"
+"""
 LUMI_HOST_STACK = {"/var/spool/slurmd", "/opt/cray", "/usr/lib64/libcxi.so.1",
                    "/usr/lib64/libjansson.so.4"}
 LUMI_FILE_SYSTEMS = {"/pfs", "/scratch", "/projappl", "/project", "/flash", "/appl"}
@@ -149,7 +160,8 @@ LUMI_FILE_SYSTEMS = {"/pfs", "/scratch", "/projappl", "/project", "/flash", "/ap
 def stub_bin(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
+                       ("sbcast", FAKE_SBCAST)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     (tmp_path / "log").mkdir(exist_ok=True)
@@ -279,6 +291,48 @@ def test_lumi_template_stops_and_requeues_at_the_time_limit(path: Path, tmp_path
     assert code == 0, err
     assert (tmp_path / "log" / "step-signals").read_text().split() == ["USR1"]
     assert (tmp_path / "log" / "scontrol").read_text().split() == ["requeue", "77"]
+
+
+PRESTAGE = lumi("imagenet-prestage.sbatch")
+
+
+def training_step(tmp_path: Path) -> dict:
+    return next(c for c in srun_calls(tmp_path) if "/runscripts/run.sh" in c["argv"])
+
+
+def test_lumi_prestage_mounts_a_squashfs_environment_at_user_software(tmp_path: Path):
+    """The LUMI AI Guide's form: one squashfs file per environment, mounted by Singularity (the
+    test bed's shim cannot mount squashfs, so only what srun receives is checked)."""
+    sqsh = tmp_path / "env.sqsh"
+    sqsh.write_bytes(b"hsqs")
+    code, err = finish(run_template(PRESTAGE, tmp_path, ENV_SQSH=str(sqsh),
+                                    **template_inputs(tmp_path)))
+    assert code == 0, err
+    step = training_step(tmp_path)
+    binds = step["argv"][step["argv"].index("-B") + 1].split(",")
+    assert f"{sqsh}:/user-software:image-src=/" in binds
+    assert step["SINGULARITYENV_PREPEND_PATH"] == "/user-software/bin"
+
+
+def test_lumi_prestage_stages_a_venv_and_puts_its_site_packages_first(tmp_path: Path):
+    site = tmp_path / "venv" / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "extra.py").write_text("")
+    code, err = finish(run_template(PRESTAGE, tmp_path, ENV_DIR=str(tmp_path / "venv"),
+                                    **template_inputs(tmp_path)))
+    assert code == 0, err
+    staged = tmp_path / "stage" / "user-env" / "lib" / "python3.12" / "site-packages"
+    assert training_step(tmp_path)["SINGULARITYENV_PYTHONPATH"].split(":")[0] == str(staged)
+    # The venv and the data, each broadcast once; nothing left on the "nodes" afterwards.
+    assert len((tmp_path / "log" / "sbcast").read_text().splitlines()) == 2
+    assert not (tmp_path / "stage").exists()
+
+
+def test_lumi_prestage_with_a_missing_environment_stops_before_srun(tmp_path: Path):
+    code, err = finish(run_template(PRESTAGE, tmp_path, ENV_SQSH=str(tmp_path / "no.sqsh"),
+                                    **template_inputs(tmp_path)))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "ENV_SQSH=" in err, err
+    assert srun_calls(tmp_path) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,6 +658,12 @@ def test_lumi_imagenet_restores_and_saves_the_miopen_cache(cluster, tmp_path, im
 FAKE_MPIEXEC = r"""#!/bin/bash
 set -euo pipefail
 log=$FAKE_MPI_LOG
+if [[ " $* " == *"/stage-node "* ]]; then  # jobs/lib/stage: one process per node
+  while [[ $1 != */stage-node ]]; do shift; done
+  printf '%s\n' "$*" >>"$log/stage-node"
+  while read -r node; do STAGE_NODE_NAME=${node%%.*} "$@"; done <"$PBS_NODEFILE"
+  exit 0
+fi
 printf '%s\n' "$@" >"$log/argv"
 printf '%s\n' "${PYTHONPATH:-}" >"$log/pythonpath"
 n="" ppn=""
@@ -704,6 +764,25 @@ def test_pbs_without_a_user_environment_skips_copper(path: Path, tmp_path: Path)
     last = env_lines((log / "rank5.env").read_text())
     assert (last["RANK"], last["LOCAL_RANK"], last["NODE_RANK"]) == ("5", "1", "2")
 
+
+
+@pytest.mark.parametrize("path", AURORA, ids=ids)
+def test_pbs_without_copper_stages_the_packages_once_per_node(path: Path, tmp_path: Path):
+    packages = tmp_path / "pkgs" / "xs_extra"
+    packages.mkdir(parents=True)
+    (packages / "__init__.py").write_text("")
+    stage = tmp_path / "stage"
+    log = run_pbs(path, tmp_path, ["x4102c5s2b0n0.hostmgmt2102.cm.aurora.alcf.anl.gov",
+                                   "x4102c5s3b0n0.hostmgmt2102.cm.aurora.alcf.anl.gov"],
+                  LUS_CONDA_PATH=str(tmp_path / "pkgs"), PACKAGE_CACHE="stage",
+                  XSCALE_STAGE_DEST=str(stage), XSCALE_STAGE_WORK=str(tmp_path / "work"))
+    # No Copper; the ranks import from the node-local copy, first on PYTHONPATH.
+    assert (log / "tools").read_text().splitlines() == ["module load frameworks"]
+    assert (log / "pythonpath").read_text().split(":")[0].strip() == f"{stage}/user-packages"
+    # One unpacking process per node (published once, checked, then removed when the job ended).
+    verbs = [line.split()[1] for line in (log / "stage-node").read_text().splitlines()]
+    assert verbs == ["publish", "clean"]
+    assert not stage.exists() and not (tmp_path / "work").exists()
 
 
 @pytest.mark.parametrize("path", AURORA, ids=ids)

@@ -5,7 +5,8 @@
 set -euo pipefail
 
 # iproute2: the virtual nodes' network namespaces, veth pairs and bridge (tests/cluster/).
-readonly PACKAGES=(slurm-wlm munge bubblewrap shellcheck bats iproute2)
+# strace: tests/bench/shared_opens.sh counts the files each rank opens on shared storage.
+readonly PACKAGES=(slurm-wlm munge bubblewrap shellcheck bats iproute2 strace)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
