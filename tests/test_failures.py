@@ -6,6 +6,7 @@ job on the node) and checks what a user would see.
 
 from __future__ import annotations
 
+import configparser
 import os
 import pwd
 import re
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, tool_env
 from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import rank_records, tagged_records
+from tests.test_jobs import VIRTUAL, virtual_env
 
 THROWAWAY_USER = "xscale-other"
 
@@ -239,6 +241,167 @@ def test_time_limit_stops_saves_requeues_and_resumes(cluster, mnist_data, tmp_pa
     assert (second["steps"], second["stopped_early"]) == (total_steps, False)
     assert second["world_size"] == 4
     print(f"stopped at step {first['steps']}, resumed there, finished at {second['steps']}")
+
+
+# --- a failed step: the report, bad-node blame, the retry without the node ----------------------
+# jobs/lumi/mnist.sbatch as a LUMI user gets it (XSCALE_RETRY=1, LUMI's and Slurm's patterns), on
+# the virtual cluster. One rank fails on cue through tests/fakes/faulty-python, or one node's
+# slurmd dies; everything after that (srun's messages, the report, scontrol requeue, ExcNodeList,
+# the resumed run) is the real thing.
+
+LUMI_MNIST = REPO / "jobs" / "lumi" / "mnist.sbatch"
+FAULTY_PYTHON = REPO / "tests" / "fakes" / "faulty-python"
+RETRY_STEPS, RETRY_EVERY = 30, 10
+
+
+def lumi_example_line(section: str) -> str:
+    """The real line that a LUMI bad-node pattern quotes as its example."""
+    patterns = configparser.ConfigParser(interpolation=None)
+    patterns.read(REPO / "jobs" / "lib" / "blame" / "lumi.patterns")
+    return patterns[section]["example"]
+
+
+def submit_lumi_mnist(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[str, Path, Path]:
+    """jobs/lumi/mnist.sbatch on 2 nodes x 2 ranks, checkpointing every RETRY_EVERY steps."""
+    out_dir, output = tmp_path / "out", tmp_path / "job.out"
+    job_env = virtual_env(tmp_path, DATA=str(data), OUTPUT_DIR=str(out_dir),
+                          MAX_STEPS=str(RETRY_STEPS), OMP_NUM_THREADS="1", **env)
+    job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", str(RETRY_EVERY), "--epochs", "10",
+                            env=job_env,
+                            output=output, sbatch_options=(*VIRTUAL, "--nodes=2"))
+    return job_id, out_dir, output
+
+
+def job_nodes(job_id: str) -> list[str]:
+    """The nodes of the job's first run (read as soon as it runs: it changes on a requeue)."""
+    wait_for(lambda: job_fields(job_id)["JobState"] == "RUNNING", 240, "the job to start")
+    return subprocess.run(["scontrol", "show", "hostnames", job_fields(job_id)["NodeList"]],
+                          capture_output=True, text=True, timeout=30, check=True).stdout.split()
+
+
+def release_requeued(cluster, job_id: str) -> str:
+    """Wait for the retry's requeue, then let the job start 2 s on rather than after Slurm's
+    minutes of BeginTime (see test_time_limit_stops_saves_requeues_and_resumes); its ExcNodeList
+    as it was set."""
+    def requeued_with_exclusions() -> bool:
+        fields = job_fields(job_id)
+        return (fields["Restarts"], fields["JobState"]) == ("1", "PENDING") \
+            and fields["ExcNodeList"] != "(null)"
+
+    wait_for(requeued_with_exclusions, 180, "the retry's requeue and its ExcNodeList")
+    excluded = job_fields(job_id)["ExcNodeList"]
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], check=True,
+                   timeout=30)
+    return excluded
+
+
+def check_resumed_without(text: str, bad: str) -> None:
+    """The second run trained on other nodes, from the first run's checkpoint, to the end."""
+    second_run = text.rpartition("xscale: retry 1 of")[2]
+    second = tagged_records(second_run, "XSCALE_SUMMARY")[-1]
+    assert second["start_step"] >= RETRY_EVERY and second["steps"] == RETRY_STEPS, second
+    nodes = {record["node"] for record in rank_records(second_run)}
+    assert len(nodes) == 2 and bad not in nodes, second_run[-3000:]
+
+
+def test_a_rank_that_exits_3_is_named_first_and_its_job_is_not_retried(cluster, mnist_data,
+                                                                      tmp_path):
+    job_id, _, output = submit_lumi_mnist(cluster, mnist_data, tmp_path,
+                                          PATH=f"{FAULTY_PYTHON}:{tool_env()['PATH']}",
+                                          XSCALE_TEST_FAULT="1:exit:3")
+    try:
+        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    node_of = {record["rank"]: record["node"] for record in rank_records(text)}
+    report = [line for line in text.splitlines() if line.startswith("xscale: ")]
+    first = next(line for line in report if line.startswith("xscale: first failure"))
+    assert first == f"xscale: first failure: rank 2 on {node_of[2]}: exited with exit code 3"
+    knock_on = next(line for line in report if line.startswith("xscale: knock-on"))
+    assert knock_on.startswith("xscale: knock-on: 3 ranks ended after it"), knock_on
+    assert "ranks 0-1,3" in knock_on, knock_on
+    assert report[-1].startswith("xscale: blame: no node"), text[-3000:]
+    assert (state, job_fields(job_id)["Restarts"]) == ("FAILED", "0")
+    assert "requeueing" not in text
+
+
+def test_a_bad_node_line_requeues_the_job_without_that_node_and_it_resumes(cluster, mnist_data,
+                                                                          tmp_path):
+    line = lumi_example_line("lumi-hsa-hw-exception")
+    job_id, _, output = submit_lumi_mnist(cluster, mnist_data, tmp_path,
+                                          PATH=f"{FAULTY_PYTHON}:{tool_env()['PATH']}",
+                                          XSCALE_TEST_FAULT=f"1:say:{line}")
+    try:
+        bad = job_nodes(job_id)[1]
+        wait_for(lambda: line in output.read_text(), 240, "the bad-node line")
+        fault_at = time.monotonic()
+        excluded = release_requeued(cluster, job_id)
+        ended_s = time.monotonic() - fault_at
+        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    assert f"xscale: blame: {bad}: lumi.patterns [lumi-hsa-hw-exception] (rank 2)" in text
+    assert f"retry 1 of 3: requeueing job {job_id} without {bad}" in text
+    assert excluded == bad
+    check_resumed_without(text, bad)
+    print(f"bad-node line on {bad}: first run ended {ended_s:.1f} s after it")
+
+
+def test_a_node_that_dies_is_excluded_and_the_job_resumes(cluster, mnist_data, tmp_path):
+    """Every process of one node is killed, its slurmd included: its peers fail at once (their
+    collective lost a member) and srun waits until slurmctld declares the node failed."""
+    job_id, out_dir, output = submit_lumi_mnist(cluster, mnist_data, tmp_path)
+    bad = ""
+    try:
+        bad = job_nodes(job_id)[1]
+        wait_for(lambda: (out_dir / f"ckpt-{RETRY_EVERY:06d}.pt").exists(), 240,
+                 "the first checkpoint")
+        cluster.fault("crash", bad)
+        fault_at = time.monotonic()
+        excluded = release_requeued(cluster, job_id)
+        ended_s = time.monotonic() - fault_at
+        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+        if bad:
+            cluster.fault("heal", bad)
+    text = output.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    assert f"xscale: first failure: node {bad} failed" in text, text[-4000:]
+    assert f"xscale: blame: {bad}: " in text
+    assert excluded == bad
+    check_resumed_without(text, bad)
+    print(f"{bad} crashed: first run ended {ended_s:.1f} s after it")
+
+
+def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):
+    """A step whose second rank prints a LUMI bad-node line on whatever node it runs, every run:
+    the first run is retried without its node, the second is not (XSCALE_MAX_RETRIES=1)."""
+    line = lumi_example_line("lumi-hsa-hw-exception")
+    script = job_script(tmp_path, "blamed.sh", f"""
+        export XSCALE_RETRY=1 XSCALE_MAX_RETRIES=1 XSCALE_BLAME=lumi
+        export XSCALE_RECORDS_DIR={tmp_path}/records
+        source {REPO}/jobs/lib/time-limit.sh
+        requeueable_step srun --label --kill-on-bad-exit=1 bash -c \\
+          'if ((SLURM_PROCID == 1)); then echo "{line}"; exit 1; fi; sleep 60'
+        """)
+    output = tmp_path / "job.out"
+    job_id = cluster.submit(script, output=output, sbatch_options=(
+        "--nodes=2", "--ntasks-per-node=1", "--requeue", "--no-kill", "--open-mode=append"))
+    try:
+        release_requeued(cluster, job_id)
+        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 120)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    assert state == "FAILED" and job_fields(job_id)["Restarts"] == "1", text
+    first, second = re.findall(r"xscale: blame: (\S+): lumi.patterns", text)
+    assert first != second
+    assert f"not retrying job {job_id} without {second}: 1 retries already" in text
+    assert (tmp_path / "records" / "retries").read_text().count("excluded") == 1
 
 
 # --- atomic checkpoints ----------------------------------------------------------------------

@@ -250,12 +250,19 @@ def first_blame_per_node(blames):
 
 # ---- the report -------------------------------------------------------------------------------
 
-def report_lines(log, blames):
-    """A node failure comes first when srun saw one: the ranks it then killed are knock-on."""
+def report_lines(log, blames, placement, failed_nodes):
+    """A node failure comes first when srun saw one, with the ranks it took along; the ranks that
+    ended after it are knock-on."""
     first = log.first_exit()
     knock_on = list(log.exits)
+    failed_ranks = {rank for task_exit in log.exits for rank in task_exit.ranks}
+    quiet = sorted(set(log.by_rank) - failed_ranks)
+    lost = [rank for rank in quiet if placement.get(rank) in failed_nodes]
     if log.node_failures:
-        yield f"first failure: node {', '.join(log.node_failures)} failed (srun: Node failure)"
+        with_ranks = f", and with it {rank_words(lost)}" if lost else ""
+        yield (f"first failure: node {', '.join(log.node_failures)} failed (srun: Node failure)"
+               f"{with_ranks}")
+        quiet = [rank for rank in quiet if rank not in lost]
     elif first is not None:
         knock_on.remove(first)
         yield f"first failure: {first.describe()}"
@@ -263,11 +270,15 @@ def report_lines(log, blames):
             yield f"  {first.ranks[0]}: {text}"
     else:
         yield "first failure: unknown: srun reported no failed task (see the step's lines above)"
-    if knock_on:
-        count = sum(len(task_exit.ranks) for task_exit in knock_on)
+    # Ranks srun has no message for ended with status 0: they stopped cleanly when srun's
+    # SIGTERM ended the step (xscale's trainers save a checkpoint then).
+    parts = [task_exit.describe() for task_exit in knock_on]
+    if quiet:
+        parts.append(f"{rank_words(quiet)}: stopped when srun ended the step")
+    count = sum(len(task_exit.ranks) for task_exit in knock_on) + len(quiet)
+    if count:
         plural = "" if count == 1 else "s"
-        yield (f"knock-on: {count} rank{plural} ended after it: "
-               + "; ".join(task_exit.describe() for task_exit in knock_on))
+        yield f"knock-on: {count} rank{plural} ended after it: " + "; ".join(parts)
     for blame in blames:
         yield f"blame: {blame.node}: {blame.reason}"
     if not blames:
@@ -311,7 +322,8 @@ def report(args):
                      for text in log.node_failures for node in job_nodes_named(text, nodes)]
     blames = first_blame_per_node(node_failures + state_blames(states, nodes)
                                   + pattern_blames(log, patterns, nodes, placement))
-    for line in report_lines(log, blames):
+    failed_nodes = {node for text in log.node_failures for node in job_nodes_named(text, nodes)}
+    for line in report_lines(log, blames, placement, failed_nodes):
         print("xscale: " + line)
     if args.blame_file:
         with open(args.blame_file, "w") as handle:

@@ -39,6 +39,7 @@
 # docs/FAILURES.md has the whole story.
 
 XS_STOP_SIGNAL=""  # the stop signal received so far, if any
+XS_REQUEUED=""     # set once this script has requeued its job
 XS_STEP_PID=""     # the running requeueable step
 
 # The traps are set as this file is sourced, before any step: a warning that arrives during an
@@ -47,6 +48,8 @@ XS_STEP_PID=""     # the running requeueable step
 # USR1 is to exit. With a step running, the signal is passed on to it.
 xs_on_stop() {
   local signal=$1
+  # The TERM that ends the batch script of a job this script requeued is no news.
+  [[ -n $XS_REQUEUED ]] && return
   XS_STOP_SIGNAL=$signal
   if [[ -n $XS_STEP_PID ]] && kill -0 "$XS_STEP_PID" 2>/dev/null; then
     printf 'xscale: SIG%s received: the ranks save a checkpoint after this step and exit\n' \
@@ -159,6 +162,7 @@ xs_requeue() {
     return
   fi
   printf 'xscale: stopped before the time limit; requeueing job %s to resume\n' "$job" >&2
+  XS_REQUEUED=1
   scontrol requeue "$job"
 }
 
@@ -249,6 +253,7 @@ xs_requeue_without() {
   excluded=$(scontrol show job "$job" 2>/dev/null | grep -o 'ExcNodeList=[^ ]*' || true)
   excluded=${excluded#ExcNodeList=}
   [[ $excluded == "(null)" ]] && excluded=""
+  XS_REQUEUED=1
   scontrol requeue "$job" &&
     scontrol update JobId="$job" ExcNodeList="${excluded:+$excluded,}$XS_RETRY_EXCLUDE"
 }
