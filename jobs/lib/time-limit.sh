@@ -88,12 +88,15 @@ requeueable_step() {
 }
 
 # Run the step in the background so that the traps run while it does; XS_STEP_STATUS=its exit
-# status. Not `wait` in a loop: a `wait` interrupted by a trap just as the step exits returns
+# status. The step gets XSCALE_LAUNCH_T, the wall-clock time it was launched at (srun passes the
+# environment on to every rank), for the trainers' start-up phases (docs/STARTUP.md); only this
+# step's environment holds it, so a later srun typed by hand reports its launch as unknown
+# rather than this step's. Not `wait` in a loop: a `wait` interrupted by a trap just as the step exits returns
 # 128+N, and the next `wait` of bash 5.2 then sometimes returns -1 instead of the step's status
 # (1 run in 5 here, tests/bats/time-limit.bats). Polling lets each trap run between two short
 # sleeps, and the one `wait` at the end finds the step already gone.
 xs_run_step() {
-  "$@" &
+  XSCALE_LAUNCH_T=${EPOCHREALTIME:-} "$@" &
   XS_STEP_PID=$!
   while kill -0 "$XS_STEP_PID" 2>/dev/null; do
     sleep 0.2
