@@ -4,6 +4,9 @@
 # Profiling every rank of a large job drowns the file system and skews the run; training is
 # usually balanced, so one rank tells the story. The other ranks exec the command plainly.
 set -euo pipefail
+# Start-up phases (docs/STARTUP.md): when this rank's run.sh began, before anything else; a
+# builtin read of the clock, exported with the exec's time just before the exec.
+XS_T_RUNSH=${EPOCHREALTIME:-}
 
 XS_PROG=run-profile.sh
 # shellcheck source=runscripts/lib/xscale-env.sh

@@ -5,6 +5,9 @@
 # this PID so Slurm's signals reach it. Logic lives in lib/xscale-env.sh (shared with
 # run-profile.sh); this file is only the command line.
 set -euo pipefail
+# Start-up phases (docs/STARTUP.md): when this rank's run.sh began, before anything else; a
+# builtin read of the clock, exported with the exec's time just before the exec.
+XS_T_RUNSH=${EPOCHREALTIME:-}
 
 XS_PROG=run.sh
 # shellcheck source=runscripts/lib/xscale-env.sh
@@ -43,6 +46,9 @@ Exported (each kept if already set):
                       name NCCL_ASYNC_ERROR_HANDLING is not exported: torch >= 2.2 warns about it
                       on every rank; export it yourself for an image with an older torch.
   XSCALE_SITE, XSCALE_LAUNCHER   what was detected
+  XSCALE_T_RUNSH, XSCALE_T_EXEC  wall-clock times (s since 1970) of run.sh's start and of the exec,
+                      always overwritten and not in --print-env: the trainer reports the start-up
+                      phases from them and XSCALE_LAUNCH_T (set by jobs/lib/time-limit.sh)
   plus the site profile's variables (runscripts/sites/SITE.sh; see its README).
 
 Settings read:

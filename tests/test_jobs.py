@@ -566,7 +566,27 @@ def test_lumi_smoke_runs_the_doctor_then_reports_each_nodes_gpus_and_each_ranks_
 def test_lumi_mnist_runs(cluster, tmp_path, mnist_data):
     job = submit(cluster, lumi("mnist.sbatch"), tmp_path, 2,
                  env=virtual_env(tmp_path, DATA=str(mnist_data), BATCH_SIZE="16"))
-    check_summary(job.output, "mnist", 4)
+    record = check_summary(job.output, "mnist", 4)
+    check_startup_phases(record["startup"], rank_records(job.output))
+
+
+def check_startup_phases(phases: dict, ranks: list[dict]) -> None:
+    """Every start-up phase is known on every rank through the template (its launch time
+    too: time-limit.sh gives the step XSCALE_LAUNCH_T), none is negative, and each slowest rank
+    is a rank of this job on one of its nodes."""
+    nodes = {rank["node"] for rank in ranks}
+    assert len(nodes) == 2, ranks
+    for name in ("launch", "run_sh", "imports", "group", "first_step", "total"):
+        entry = phases[name]
+        assert entry["ranks"] == len(ranks), (name, entry)
+        assert 0 <= entry["median"] <= entry["slowest"], (name, entry)
+        assert entry["node"] in nodes and 0 <= entry["rank"] < len(ranks), (name, entry)
+        assert all(rank["startup"][name] >= 0 for rank in ranks), (name, ranks)
+    # The phases run end to end: on each rank they add up to its total.
+    for rank in ranks:
+        parts = sum(rank["startup"][name] for name in ("launch", "run_sh", "imports", "group",
+                                                       "first_step"))
+        assert abs(parts - rank["startup"]["total"]) < 0.01, rank
 
 
 def test_lumi_gpt_neo_on_one_node(cluster, tmp_path, gpt_data):

@@ -12,6 +12,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -381,6 +382,22 @@ def test_print_env_is_sorted_key_value(tmp_path):
     assert lines == sorted(lines)
     assert all("=" in line for line in lines)
     assert {"RANK", "MASTER_PORT", "XSCALE_CACHE_DIR"} <= set(env_lines(proc.stdout))
+
+
+def test_the_start_up_times_are_run_shs_own_and_stay_out_of_print_env(tmp_path):
+    """XSCALE_T_RUNSH and XSCALE_T_EXEC: wall-clock, in order, within this call, replacing any
+    inherited value (an outer run.sh's); --print-env stays the same from one run to the next."""
+    printer = [sys.executable, "-c",
+               "import os; print(os.environ['XSCALE_T_RUNSH'], os.environ['XSCALE_T_EXEC'])"]
+    before = time.time()
+    proc = run(printer, base_env(tmp_path, XSCALE_T_RUNSH="1.0", XSCALE_T_EXEC="2.0",
+                                 **recorded_slurm_env()))
+    after = time.time()
+    assert proc.returncode == 0, proc.stderr
+    runsh, exec_at = (float(word) for word in proc.stdout.split())
+    assert before <= runsh <= exec_at <= after
+    listed = print_env(base_env(tmp_path, **recorded_slurm_env()))
+    assert not {"XSCALE_T_RUNSH", "XSCALE_T_EXEC", "XSCALE_LAUNCH_T"} & set(listed)
 
 
 def test_rank_zero_announces_itself_once(tmp_path):

@@ -8,10 +8,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from xscale.accounting import SUMMARY_FIELDS
+from xscale.startup import NAMES
 
 from tests.fixtures.imagefolder import write_imagefolder
 from tests.fixtures.mnist_idx import write_mnist
@@ -25,7 +27,7 @@ TYPES = {
     "accumulation": int, "samples_per_s": float, "samples_per_s_per_rank": float,
     "tokens_per_s": (float, None), "loss_first": float, "loss_last": float, "seconds": float,
     "train_seconds": float, "stopped_early": bool, "signal": (str, None),
-    "checkpoint": (str, None),
+    "checkpoint": (str, None), "startup": dict,
 }
 
 
@@ -62,6 +64,8 @@ def test_every_trainer_writes_the_one_summary_schema(commands):
         env.pop(name, None)
     for trainer, command in commands.items():
         args = [arg.replace("{name}", trainer) for arg in command]
+        # As run.sh would leave it (no srun here: the launch and run.sh phases stay unknown).
+        env["XSCALE_T_EXEC"] = repr(time.time())
         proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=600, check=False)
         assert proc.returncode == 0, (trainer, proc.stderr[-3000:])
@@ -78,4 +82,17 @@ def test_every_trainer_writes_the_one_summary_schema(commands):
         assert Path(record["checkpoint"]).exists(), (trainer, record["checkpoint"])
         assert (record["tokens_per_s"] is not None) == (trainer == "gpt_neo_imdb"), trainer
         assert record["global_batch_size"] == record["batch_size"] * record["accumulation"]
+        check_startup(trainer, record["startup"])
+
+
+def check_startup(trainer: str, phases: dict) -> None:
+    """Every trainer marks the end of its imports, the group and the first step: those phases
+    are known, the ones before the exec (no srun, no run.sh here) are not, and none is made up."""
+    assert tuple(phases) == NAMES, (trainer, phases)
+    for name in ("imports", "group", "first_step"):
+        entry = phases[name]
+        assert entry["ranks"] == 1 and entry["slowest"] >= 0, (trainer, name, entry)
+        assert entry["median"] == entry["slowest"] and entry["rank"] == 0, (trainer, name, entry)
+    for name in ("launch", "run_sh", "total"):
+        assert phases[name]["median"] is None and phases[name]["ranks"] == 0, (trainer, name)
     assert set(TYPES) == set(SUMMARY_FIELDS)

@@ -17,7 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from xscale import accounting, checkpoint, data, dist, ds, lifecycle, profiling, runtime, staging
+from xscale import (
+    accounting,
+    checkpoint,
+    data,
+    dist,
+    ds,
+    lifecycle,
+    profiling,
+    runtime,
+    staging,
+    startup,
+)
 from xscale.accounting import Throughput
 from xscale.lifecycle import UserError
 
@@ -862,3 +873,142 @@ def test_report_reads_a_run_that_resumed_and_took_no_step(tmp_path):
     assert "none logged (0 steps taken, at step 60)" in proc.stdout
     assert "4 ranks on 2 nodes (nid001, nid002)" in proc.stdout
     assert "0 samples/s" in proc.stdout  # tokens_per_s null: the samples' rate instead
+
+
+# ---------------------------------------------------------------------------------------------
+# start-up phases: per rank, their aggregate, the report's table and picture
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bash_clocks_parse_in_any_locale_and_absent_ones_are_unknown():
+    assert startup.parse_clock("1700000000.250000") == 1700000000.25
+    assert startup.parse_clock("1700000000,250000") == 1700000000.25  # de_DE, fr_FR
+    assert startup.parse_clock("") is None  # bash before 5 has no EPOCHREALTIME
+    assert startup.parse_clock(None) is None
+    assert startup.parse_clock("soon") is None
+
+
+def test_phases_are_differences_of_moments_and_a_missing_one_is_unknown():
+    moments = {"launch": None, "run_sh": 100.0, "exec": 100.012, "imports": 103.0,
+               "group": 103.5, "first_step": 105.25}
+    assert startup.durations(moments) == {"launch": None, "run_sh": 0.012, "imports": 2.988,
+                                          "group": 0.5, "first_step": 1.75, "total": None}
+    launched = startup.durations({**moments, "launch": 99.5})
+    assert (launched["launch"], launched["total"]) == (0.5, 5.75)
+
+
+def test_moments_come_from_run_sh_and_the_batch_script(monkeypatch):
+    environ = {"XSCALE_LAUNCH_T": "10.5", "XSCALE_T_RUNSH": "11,0", "XSCALE_T_EXEC": "11.25"}
+    found = startup.moments(environ)
+    assert (found["launch"], found["run_sh"], found["exec"]) == (10.5, 11.0, 11.25)
+    assert found["imports"] is not None  # importing xscale marked it
+    assert startup.moments({})["launch"] is None
+
+
+def phases_of(launch, run_sh, imports, group, first_step):
+    known = [launch, run_sh, imports, group, first_step]
+    total = None if None in known else round(sum(known), 3)
+    return {"launch": launch, "run_sh": run_sh, "imports": imports, "group": group,
+            "first_step": first_step, "total": total}
+
+
+RANKS = [
+    startup.RankPhases(0, "nid001", phases_of(0.4, 0.01, 2.5, 0.3, 1.2)),
+    startup.RankPhases(1, "nid001", phases_of(0.5, 0.01, 2.7, 0.2, 1.2)),
+    startup.RankPhases(2, "nid002", phases_of(0.6, 0.01, 6.1, 0.1, 1.1)),
+    startup.RankPhases(3, "nid002", phases_of(None, 0.01, 2.1, 0.1, 1.1)),
+]
+
+
+def test_the_aggregate_is_the_median_and_the_slowest_rank_with_its_node():
+    summary = startup.aggregate(RANKS)
+    assert tuple(summary) == startup.NAMES
+    assert summary["imports"] == {"median": 2.6, "slowest": 6.1, "rank": 2, "node": "nid002",
+                                  "ranks": 4}
+    # Rank 3 has no launch time: the launch phase is over the three ranks that know it.
+    assert summary["launch"] == {"median": 0.5, "slowest": 0.6, "rank": 2, "node": "nid002",
+                                 "ranks": 3}
+    assert summary["run_sh"]["rank"] == 0  # a tie: the lowest rank
+    unknown = startup.aggregate([startup.RankPhases(0, "n", phases_of(None, None, 1, 1, 1))])
+    assert unknown["launch"] == {"median": None, "slowest": None, "rank": None, "node": None,
+                                 "ranks": 0}
+    lines = startup.table(unknown)
+    assert "unknown" in next(line for line in lines if line.split()[0] == "launch")
+
+
+def test_each_node_is_drawn_as_its_slowest_rank():
+    rows = startup.slowest_per_node(RANKS)
+    assert [(row.node, row.rank) for row in rows] == [("nid001", 1), ("nid002", 2)]
+
+
+def job_output(tmp_path: Path, ranks: list[startup.RankPhases]) -> Path:
+    summary = {"trainer": "mnist_ddp", "world_size": len(ranks), "nodes": 2, "start_step": 0,
+               "steps": 3, "samples_per_s": 10.0, "tokens_per_s": None, "loss_first": 2.3,
+               "loss_last": 2.1, "seconds": 9.5, "stopped_early": False}
+    lines = [f"XSCALE_RANK {json.dumps({'rank': r.rank, 'node': r.node, 'startup': r.phases})}"
+             for r in ranks]
+    output = tmp_path / "job.out"
+    output.write_text("\n".join([*lines, f"XSCALE_SUMMARY {json.dumps(summary)}"]) + "\n")
+    return output
+
+
+def report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "xscale.report", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
+
+
+def colour_rows(image, colour) -> set[int]:
+    """The pixel rows where `colour` appears (the legend's included)."""
+    width, height = image.size
+    pixels = image.load()
+    return {y for y in range(height) for x in range(width) if pixels[x, y] == colour}
+
+
+def test_report_prints_the_phase_table_and_draws_one_row_per_node(tmp_path):
+    from PIL import Image
+    from xscale import picture
+
+    proc = report(str(job_output(tmp_path, RANKS)), "--png")
+    assert proc.returncode == 0, proc.stderr
+    imports = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["imports"])
+    assert imports.split()[1:4] == ["2.600s", "6.100s", "2@nid002"]
+    image = Image.open(tmp_path / "job.out.startup.png")
+    assert image.format == "PNG" and image.size[0] == picture.WIDTH
+    height = picture.row_height(2)
+    bars = range(picture.HEADER, picture.HEADER + 2 * height)
+    for phase, colour in picture.COLOURS.items():
+        rows = colour_rows(image.convert("RGB"), colour) & set(bars)
+        # Every phase is drawn on both nodes' rows (run.sh's 10 ms is a pixel wide at least).
+        assert {(y - picture.HEADER) // height for y in rows} == {0, 1}, phase
+
+
+def test_a_phase_no_rank_recorded_is_left_out_of_the_picture(tmp_path):
+    from PIL import Image
+    from xscale import picture
+
+    unlaunched = [startup.RankPhases(r.rank, r.node, {**r.phases, "launch": None, "total": None})
+                  for r in RANKS]
+    proc = report(str(job_output(tmp_path, unlaunched)), "--png")
+    assert proc.returncode == 0, proc.stderr
+    assert "unknown" in next(line for line in proc.stdout.splitlines()
+                             if line.split()[:1] == ["launch"])
+    image = Image.open(tmp_path / "job.out.startup.png").convert("RGB")
+    bars = set(range(picture.HEADER, image.size[1] - picture.FOOTER))
+    assert not colour_rows(image, picture.COLOURS["launch"]) & bars
+    assert colour_rows(image, picture.COLOURS["imports"]) & bars
+
+
+@pytest.mark.parametrize("case", ["no file", "no phases"])
+def test_report_input_errors_are_one_line_and_status_2(tmp_path, case):
+    if case == "no file":
+        proc = report(str(tmp_path / "missing.out"))
+    else:  # an output from before the phases were recorded: fine as text, no picture
+        output = tmp_path / "old.out"
+        output.write_text('XSCALE_RANK {"rank": 0, "node": "nid001"}\nXSCALE_SUMMARY '
+                          '{"trainer": "t", "world_size": 1, "steps": 1, "loss_first": 1.0, '
+                          '"loss_last": 1.0, "seconds": 1.0, "samples_per_s": 1.0}\n')
+        assert report(str(output)).returncode == 0
+        proc = report(str(output), "--png")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("xscale.report: error:")

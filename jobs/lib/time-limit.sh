@@ -173,16 +173,20 @@ xs_training_finished() {
 
 # Run the step in the background so that the traps run while it does; XS_STEP_STATUS=its exit
 # status. Its output goes to the job's output as before and, through a tee that ignores the stop
-# signals (they are for the ranks), to LOG. Not `wait` in a loop: a `wait` interrupted by a trap
-# just as the step exits returns 128+N, and the next `wait` of bash 5.2 then sometimes returns -1
-# instead of the step's status (1 run in 5 here, tests/bats/time-limit.bats). Polling lets each
-# trap run between two short sleeps, and the one `wait` at the end finds the step already gone.
+# signals (they are for the ranks), to LOG. The step gets XSCALE_LAUNCH_T, the wall-clock time it
+# was launched at (srun passes the environment on to every rank), for the trainers' start-up
+# phases (docs/STARTUP.md); only this step's environment holds it, so a later srun typed by hand
+# reports its launch as unknown rather than this step's. Not `wait` in a loop: a `wait`
+# interrupted by a trap just as the step exits returns 128+N, and the next `wait` of bash 5.2
+# then sometimes returns -1 instead of the step's status (1 run in 5 here,
+# tests/bats/time-limit.bats). Polling lets each trap run between two short sleeps, and the one
+# `wait` at the end finds the step already gone.
 xs_run_step() {
   local log=$1 copy tee_pid
   shift
   exec {copy}> >(trap '' USR1 TERM INT; exec tee --output-error=warn -a "$log")
   tee_pid=$!
-  "$@" >&"$copy" 2>&1 &
+  XSCALE_LAUNCH_T=${EPOCHREALTIME:-} "$@" >&"$copy" 2>&1 &
   XS_STEP_PID=$!
   exec {copy}>&-
   while kill -0 "$XS_STEP_PID" 2>/dev/null; do

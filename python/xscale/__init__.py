@@ -14,5 +14,13 @@ through `runtime` for everything else. Imports run one way, down this list:
     accounting  sums over ranks, throughput, the loss log, XSCALE_RANK/XSCALE_SUMMARY lines
     dist        placement from run.sh's variables, device (torch.accelerator), backend, group
     lifecycle   user errors, stop signals, shielded child processes, the clean exit
+    startup     the start-up phases (launch, run.sh, imports, group, first step): stdlib only
     report      `python -m xscale.report JOB_OUTPUT`: a readable summary of a finished run
 """
+
+from xscale import startup as _startup
+
+# The end of the start-up's "imports" phase. Every trainer imports torch (and its other
+# libraries) before xscale, and the package is imported before any of its modules, so this is
+# the moment those imports were done, whichever xscale module the trainer names first.
+_startup.mark("imports")

@@ -8,8 +8,9 @@
   `warmup_steps`. GPU work is asynchronous: the clock reads synchronise the device, only there.
 - TrainLog: the loss reduced every `log_every` steps, a tqdm bar and TensorBoard, on rank 0.
 - The machine-readable lines, for tests, benchmarks and xscale.report. Every rank:
-  `XSCALE_RANK {json}` (rank, local_rank, node, steps, param_digest): replicas that are really
-  replicas have the same digest, the cheapest proof that gradients were reduced. Rank 0, as its
+  `XSCALE_RANK {json}` (rank, local_rank, node, steps, param_digest, startup): replicas that are
+  really replicas have the same digest, the cheapest proof that gradients were reduced; startup
+  holds the rank's start-up phases in seconds (xscale.startup). Rank 0, as its
   last line: `XSCALE_SUMMARY {json}` with SUMMARY_FIELDS first, the trainer's own after them.
 """
 
@@ -45,7 +46,7 @@ SUMMARY_FIELDS = (
     "start_step", "steps", "batch_size", "global_batch_size", "accumulation",
     "samples_per_s", "samples_per_s_per_rank", "tokens_per_s",
     "loss_first", "loss_last", "seconds", "train_seconds",
-    "stopped_early", "signal", "checkpoint",
+    "stopped_early", "signal", "checkpoint", "startup",
 )
 
 
@@ -322,6 +323,16 @@ def _plain(value: Any) -> Any:
 
 def line(tag: str, fields: dict[str, Any]) -> str:
     return f"{tag} {json.dumps(_plain(fields), sort_keys=False)}"
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank (a collective; one process: [value]).
+    For small records at the end of a run, once: all_gather_object pickles and pads them."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def rank_record(**fields: Any) -> None:

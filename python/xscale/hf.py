@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import accounting, lifecycle, profiling, runtime
+from xscale import accounting, lifecycle, profiling, runtime, startup
 from xscale.dist import (
     DistContext,
     Placement,
@@ -39,6 +39,9 @@ def device_and_backend(placement: Placement) -> tuple[torch.device, str]:
 
 
 def context(placement: Placement, device: torch.device, backend: str | None) -> DistContext:
+    """This rank's context, once Trainer's arguments have joined the group (accelerate does, as
+    TrainingArguments is built): the start-up's `group` moment (xscale.startup)."""
+    startup.mark("group")
     return DistContext(rank=placement.rank, world_size=placement.world_size,
                        local_rank=placement.local_rank,
                        local_world_size=placement.local_world_size,
@@ -124,6 +127,8 @@ class RunRecord(TrainerCallback):
         self._tokens_seen = state.num_input_tokens_seen
         samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
         self.throughput.step(samples, tokens / args.world_size)
+        if self.end_step == self.start_step:  # this call's first step
+            runtime.first_step_done(self.throughput.device)
         self.end_step = state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -1,7 +1,10 @@
-"""Readable summary of a finished run: `python -m xscale.report JOB_OUTPUT_FILE`.
+"""Readable summary of a finished run: `python -m xscale.report JOB_OUTPUT_FILE [--png]`.
 
 Reads the machine-readable lines a trainer prints (XSCALE_SUMMARY from rank 0, XSCALE_RANK from
-every rank) and run.sh's `xscale: launcher=...` line, and prints what a person wants to know.
+every rank) and run.sh's `xscale: launcher=...` line, and prints what a person wants to know,
+with the start-up phases (xscale.startup): each phase's median and slowest rank@node.
+`--png` also draws them, one row per node, into JOB_OUTPUT_FILE.startup.png (xscale.picture).
+Bad input (no such file, no summary, no phases to draw) is one line on stderr and status 2.
 """
 
 from __future__ import annotations
@@ -11,6 +14,12 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from xscale import startup
+
+
+class ReportError(Exception):
+    """Input this report cannot read: one line and status 2."""
 
 
 def tagged(lines: list[str], tag: str) -> list[dict]:
@@ -43,10 +52,7 @@ def losses(summary: dict) -> str:
 
 
 def render(lines: list[str]) -> str:
-    summaries = tagged(lines, "XSCALE_SUMMARY")
-    if not summaries:
-        raise SystemExit("xscale.report: error: no XSCALE_SUMMARY line (did the run finish?)")
-    summary = summaries[-1]
+    summary = last_summary(lines)
     nodes = sorted({record["node"] for record in tagged(lines, "XSCALE_RANK")})
     rows = [
         ("trainer", summary.get("trainer", "?")),
@@ -62,17 +68,82 @@ def render(lines: list[str]) -> str:
                                 f"checkpoint {summary.get('checkpoint')}"))
     if summary.get("accuracy") is not None:
         rows.append(("accuracy", f"{summary['accuracy']:.3f} (all ranks)"))
-    return "\n".join(f"  {name:<11} {value}" for name, value in rows)
+    text = "\n".join(f"  {name:<11} {value}" for name, value in rows)
+    return text + startup_section(summary, rank_phases(lines, summary))
+
+
+def last_summary(lines: list[str]) -> dict:
+    summaries = tagged(lines, "XSCALE_SUMMARY")
+    if not summaries:
+        raise ReportError("no XSCALE_SUMMARY line (did the run finish?)")
+    return summaries[-1]
+
+
+def rank_phases(lines: list[str], summary: dict) -> list[startup.RankPhases]:
+    """Each rank's start-up phases from its XSCALE_RANK line. A requeued job's output holds one
+    line per rank per run: the last one of each rank is the run the summary is about."""
+    latest: dict[int, startup.RankPhases] = {}
+    for record in tagged(lines, "XSCALE_RANK"):
+        phases, rank = record.get("startup"), record.get("rank")
+        if isinstance(phases, dict) and isinstance(rank, int) \
+                and rank < summary.get("world_size", rank + 1):
+            latest[rank] = startup.RankPhases(rank, str(record.get("node", "?")), phases)
+    return [latest[rank] for rank in sorted(latest)]
+
+
+def startup_section(summary: dict, ranks: list[startup.RankPhases]) -> str:
+    """The phase table from the ranks' records, else the summary's own aggregate; nothing for
+    a run from before xscale recorded phases."""
+    phases = startup.aggregate(ranks) if ranks else summary.get("startup")
+    if not isinstance(phases, dict):
+        return ""
+    counted = f"{len(ranks)} ranks" if ranks else "the summary"
+    return "\n".join(["", f"  start-up    phases from {counted} (median, slowest rank@node):",
+                       *("  " + line for line in startup.table(phases))])
+
+
+def png_path(output: Path) -> Path:
+    return output.with_name(output.name + ".startup.png")
+
+
+def report(output: Path, png: bool) -> None:
+    if not output.is_file():
+        raise ReportError(f"no such file: {output}")
+    lines = output.read_text(errors="replace").splitlines()
+    text = render(lines)
+    ranks = rank_phases(lines, last_summary(lines))
+    if png and not ranks:  # before any output: a bad input is one line, nothing else
+        raise ReportError(f"--png: no XSCALE_RANK line with start-up phases in {output}")
+    print(text)
+    if png:
+        path = png_path(output)
+        save_picture(ranks, path)
+        print(f"  picture     {path}")
+
+
+def save_picture(ranks: list[startup.RankPhases], path: Path) -> None:
+    try:  # Pillow, only for the picture: torchvision depends on it, so every image has it
+        from xscale import picture
+    except ImportError as error:
+        raise ReportError(f"--png needs Pillow ({error})") from None
+    try:
+        picture.draw_startup(ranks).save(path, format="PNG")
+    except OSError as error:
+        raise ReportError(f"--png: cannot write {path}: {error.strerror or error}") from None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path, help="the job's output file")
+    parser.add_argument("--png", action="store_true",
+                        help="also draw the start-up phases, one row per node, into "
+                             "OUTPUT.startup.png")
     args = parser.parse_args()
-    if not args.output.is_file():
-        print(f"xscale.report: error: no such file: {args.output}", file=sys.stderr)
-        raise SystemExit(2)
-    print(render(args.output.read_text(errors="replace").splitlines()))
+    try:
+        report(args.output, args.png)
+    except ReportError as error:
+        print(f"xscale.report: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

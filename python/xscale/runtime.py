@@ -24,6 +24,7 @@ and at a stop; never twice for the same step.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from xscale import accounting, data, lifecycle, profiling
+from xscale import accounting, data, lifecycle, profiling, startup
 from xscale.dist import DistContext, init_distributed
 
 # The summary's `seconds` run from here: the trainer's imports are done, nothing else is.
@@ -48,7 +49,17 @@ def start(prog: str, **options: Any) -> DistContext:
     """Catch the stop signals, then join the process group on this rank's device (options:
     xscale.dist.init_distributed's). Signals first: the warning may come during start-up."""
     lifecycle.install_stop_handlers()
-    return init_distributed(**options)
+    ctx = init_distributed(**options)
+    startup.mark("group")
+    return ctx
+
+
+def first_step_done(device: torch.device) -> None:
+    """The start-up's last moment (xscale.startup). GPU work is asynchronous: the step is done
+    when the device has done it, hence one synchronisation, once per run."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    startup.mark("first_step")
 
 
 def vote_to_stop(reduce: Callable[..., dict[str, float]] | None = None) -> bool:
@@ -135,6 +146,8 @@ class Loop:
         self._micro = 0
         self.step += 1
         self.meter.step(samples * self.accumulation, tokens)
+        if self.step == self.start_step + 1:
+            first_step_done(self.ctx.device)
         self.log.advance()
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self._save()
@@ -189,11 +202,15 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
                   counts_tokens: bool, **own: Any) -> None:
     """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer."""
     rates = meter.reduced()
-    accounting.rank_record(rank=ctx.rank, local_rank=ctx.local_rank,
-                           node=accounting.node_name(), steps=steps,
-                           param_digest=accounting.param_digest(model))
+    node, phases = accounting.node_name(), startup.rank_phases()
+    accounting.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node, steps=steps,
+                           param_digest=accounting.param_digest(model), startup=phases)
+    # Once per run, at its end: rank 0 needs every rank's phases for the slowest one's node.
+    every_rank = accounting.gather_objects((ctx.rank, node, phases))
     if not ctx.is_main:
         return
+    started_up = startup.aggregate(startup.RankPhases(*record) for record in every_rank)
+    print_startup(started_up, len(every_rank))
     common = {
         "trainer": trainer, "world_size": ctx.world_size, "nodes": ctx.nnodes,
         "device": ctx.device.type, "backend": ctx.backend,
@@ -208,5 +225,13 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "stopped_early": stopped,
         "signal": lifecycle.signal_name(lifecycle.stop_received()),
         "checkpoint": checkpoint,
+        "startup": started_up,
     }
     accounting.emit(**accounting.summary_fields(common, own))
+
+
+def print_startup(phases: dict[str, dict], ranks: int) -> None:
+    """Rank 0's table of the start-up phases, before the summary line (which stays last)."""
+    sys.stderr.flush()
+    heading = f"xscale: start-up phases over {ranks} ranks (docs/STARTUP.md)"
+    print("\n".join([heading, *startup.table(phases)]), flush=True)

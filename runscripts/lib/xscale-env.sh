@@ -720,6 +720,19 @@ xs_setup_profiling() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# Start-up phases (docs/STARTUP.md): the trainer reports how long each rank took from the
+# step's launch to run.sh (XSCALE_LAUNCH_T, set by jobs/lib/time-limit.sh), through run.sh, to
+# the exec. Two reads of bash's clock, no fork. Always overwritten, never xs_default: a value
+# inherited from an outer run.sh would be another process's time. Not in --print-env, whose
+# output must not change from one run to the next. EPOCHREALTIME is empty before bash 5; the
+# trainer then reports these phases as unknown.
+# ---------------------------------------------------------------------------------------------
+xs_export_startup_times() {
+  export XSCALE_T_RUNSH=${XS_T_RUNSH:-}
+  export XSCALE_T_EXEC=${EPOCHREALTIME:-}
+}
+
+# ---------------------------------------------------------------------------------------------
 # The entrypoints' shared main. MODE is "plain" (run.sh) or "profile" (run-profile.sh); each
 # entrypoint defines its own usage().
 # ---------------------------------------------------------------------------------------------
@@ -743,6 +756,7 @@ xs_main() {
   [[ $mode == profile ]] && xs_check_profiler
   xs_announce
   xs_expand_args "$@"
+  xs_export_startup_times
   if [[ $mode == profile ]] && ((XS_PROFILE_THIS_RANK)); then
     exec "${XS_PROFILER_WORDS[@]}" "${XS_ARGS[@]}"
   fi

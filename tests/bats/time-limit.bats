@@ -184,3 +184,23 @@ update JobId=42 ExcNodeList=nid001" ]
     [ ! -e "$WORK/ran" ]
   done
 }
+
+@test "the step gets its launch time, and only the step: a later command does not" {
+  cat >"$WORK/job.sh" <<JOB
+set -euo pipefail
+source "$REPO/jobs/lib/time-limit.sh"
+before=\$EPOCHREALTIME
+requeueable_step bash -c 'printf "%s\n" "\$XSCALE_LAUNCH_T" >"$WORK/launch"'
+after=\$EPOCHREALTIME
+printf '%s %s\n' "\$before" "\$after" >"$WORK/window"
+printf 'later: %s\n' "\${XSCALE_LAUNCH_T:-unset}"
+JOB
+  run bash "$WORK/job.sh"
+  [ "$status" -eq 0 ]
+  [ "$output" = "later: unset" ]
+  read -r launch <"$WORK/launch"
+  read -r before after <"$WORK/window"
+  # Compare as microseconds: bash has no floating point.
+  [ "${before/[.,]/}" -le "${launch/[.,]/}" ]
+  [ "${launch/[.,]/}" -le "${after/[.,]/}" ]
+}
