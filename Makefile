@@ -55,7 +55,7 @@ cluster-down:
 demo: setup cluster-up
 	@bash jobs/local/demo.sh
 
-bench: setup
+bench: setup cluster-up
 	@bash tests/bench/run-all.sh
 
 # Not part of setup: image builds need Singularity/Apptainer (a LUMI login node); build.sh says so

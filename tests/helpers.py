@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
+from xscale import report
 
 
 def tagged_records(output: str, tag: str) -> list[dict]:
-    """Every `TAG {json}` line in the output, in order (Slurm may prefix nothing; we strip)."""
-    records = []
-    prefix = tag + " "
-    for line in output.splitlines():
-        start = line.find(prefix)
-        if start >= 0:
-            records.append(json.loads(line[start + len(prefix):]))
-    return records
+    """Every `TAG {json}` line in the output, in order: after srun --label's `RANK: `, and
+    joined again where srun --label cut it (xscale.report.unsplit)."""
+    return report.tagged(output.splitlines(), tag)
 
 
 def summary(output: str) -> dict:

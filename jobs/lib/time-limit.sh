@@ -195,8 +195,10 @@ xs_run_step() {
   XS_STEP_STATUS=0
   wait "$XS_STEP_PID" || XS_STEP_STATUS=$?
   XS_STEP_PID=""
-  # tee ends once the step's last output is written (it holds the only other copy of the pipe).
-  while kill -0 "$tee_pid" 2>/dev/null; do
+  # tee ends once the step's last output is written, unless a process the step left behind
+  # still holds the pipe: then the log may miss that process's lines, not the step's.
+  local polls=0
+  while kill -0 "$tee_pid" 2>/dev/null && ((polls++ < 100)); do
     sleep 0.05
   done
 }
@@ -248,9 +250,10 @@ xs_retry_without() {
 }
 
 # Slurm changes ExcNodeList only while a job is pending ("Job is no longer pending execution"),
-# so the job is requeued first, then updated: a requeued job is held back (BeginTime) for longer
-# than the update takes, so it cannot start on the blamed nodes in between. Nodes excluded by
-# earlier retries stay excluded.
+# so the job is requeued held, updated, then released: it cannot start on the blamed nodes in
+# between. Requeueing sends TERM to every process of the job, scontrol included, before its
+# reply is in: the calls run with TERM ignored, within the KillWait (30 s by default) that Slurm
+# gives before SIGKILL. Nodes excluded by earlier retries stay excluded.
 xs_requeue_without() {
   local job excluded
   job=$(xs_requeue_id)
@@ -258,6 +261,14 @@ xs_requeue_without() {
   excluded=${excluded#ExcNodeList=}
   [[ $excluded == "(null)" ]] && excluded=""
   XS_REQUEUED=1
-  scontrol requeue "$job" &&
-    scontrol update JobId="$job" ExcNodeList="${excluded:+$excluded,}$XS_RETRY_EXCLUDE"
+  (
+    trap '' TERM
+    scontrol requeuehold "$job" || exit
+    if scontrol update JobId="$job" ExcNodeList="${excluded:+$excluded,}$XS_RETRY_EXCLUDE"; then
+      scontrol release "$job"
+    else
+      printf 'xscale: could not exclude %s from job %s: it stays held (scontrol release %s)\n' \
+        "$XS_RETRY_EXCLUDE" "$job" "$job" >&2
+    fi
+  )
 }

@@ -22,9 +22,39 @@ class ReportError(Exception):
     """Input this report cannot read: one line and status 2."""
 
 
+# srun --label cuts every output line after 1024 bytes and prints the rest as a line of its own,
+# labelled again ("0: AAA...A" then "0: AAA"): the job templates run srun --label, and
+# XSCALE_SUMMARY is longer than that. Measured with Slurm 22.05 (tests/test_xscale_lib.py).
+SRUN_LABEL_CUT = 1024
+SRUN_LABEL = re.compile(r"^ *(\d+): (.*)$")
+
+
+def unsplit(lines: list[str]) -> list[str]:
+    """LINES with the pieces srun --label cut apart joined again: a labelled line whose text is
+    exactly SRUN_LABEL_CUT bytes long goes on in the next line with the same label."""
+    joined: list[str] = []
+    cut_open: dict[str, int] = {}  # label -> index of its cut line in `joined`
+    for line in lines:
+        match = SRUN_LABEL.match(line)
+        if not match:
+            joined.append(line)
+            continue
+        label, text = match.groups()
+        if label in cut_open:
+            index = cut_open.pop(label)
+            joined[index] += text
+        else:
+            index = len(joined)
+            joined.append(line)
+        if len(text.encode()) == SRUN_LABEL_CUT:
+            cut_open[label] = index
+    return joined
+
+
 def tagged(lines: list[str], tag: str) -> list[dict]:
     prefix = tag + " "
-    return [json.loads(line[line.index(prefix) + len(prefix):]) for line in lines if prefix in line]
+    return [json.loads(line[line.index(prefix) + len(prefix):])
+            for line in unsplit(lines) if prefix in line]
 
 
 def rendezvous(lines: list[str]) -> str:

@@ -18,3 +18,4 @@ run get_master.sh     # first host and --all on a 10,000-node list
 run trainers_cv.sh    # mnist_ddp, imagenet, imagenet_deepspeed: samples/s on CPU
 run gpt_neo.sh        # gpt_neo_imdb: tokens/s on CPU
 run shared_opens.sh   # shared-storage opens per job, 1/2/4 nodes, without and with jobs/lib/stage
+run startup.sh        # start-up phases (launch .. first step) at 1, 2 and 4 nodes

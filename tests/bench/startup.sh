@@ -2,7 +2,7 @@
 # The start-up phases (docs/STARTUP.md) on the virtual cluster at 1, 2 and 4 nodes x 2 ranks:
 # jobs/local/mnist.sbatch, RUNS times per size, each run's phase table as `python -m
 # xscale.report` prints it and one line per run for the calibration table. Needs the cluster up
-# (make cluster-up); not part of `make bench`, which runs without one.
+# (`make bench` starts it).
 #   bash tests/bench/startup.sh [NODES...]      (default: 1 2 4; RUNS=3, MAX_STEPS=3)
 set -euo pipefail
 
