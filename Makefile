@@ -41,7 +41,7 @@ lint: setup
 # One pytest run for everything (the bats suites run from tests/test_bats.py), so CI reads one
 # closing line.
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 unit: setup
 	$(PY) -m pytest -q tests -m "not cluster"

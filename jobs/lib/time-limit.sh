@@ -188,6 +188,10 @@ xs_run_step() {
   tee_pid=$!
   XSCALE_LAUNCH_T=${EPOCHREALTIME:-} "$@" >&"$copy" 2>&1 &
   XS_STEP_PID=$!
+  # A signal that came between the launch and the line above found no step to pass it on to.
+  if [[ -n $XS_STOP_SIGNAL ]]; then
+    kill -s "$XS_STOP_SIGNAL" "$XS_STEP_PID" 2>/dev/null || true
+  fi
   exec {copy}>&-
   while kill -0 "$XS_STEP_PID" 2>/dev/null; do
     sleep 0.2
@@ -250,10 +254,13 @@ xs_retry_without() {
 }
 
 # Slurm changes ExcNodeList only while a job is pending ("Job is no longer pending execution"),
-# so the job is requeued held, updated, then released: it cannot start on the blamed nodes in
-# between. Requeueing sends TERM to every process of the job, scontrol included, before its
-# reply is in: the calls run with TERM ignored, within the KillWait (30 s by default) that Slurm
-# gives before SIGKILL. Nodes excluded by earlier retries stay excluded.
+# so the job is requeued first, then updated; Slurm holds a requeued job back (BeginTime) for
+# longer than the update takes. Not `requeuehold` then `release`: requeueing sends TERM, then
+# after KillWait SIGKILL, to every process of the job, and an update that waits for the failed
+# step to finish can outlast KillWait (seen on the test bed, KillWait=5): a job whose `release`
+# never ran would stay held, while one whose update was lost only runs again with the nodes
+# Slurm still allows. The calls ignore TERM so that scontrol is not killed before its reply.
+# Nodes excluded by earlier retries stay excluded.
 xs_requeue_without() {
   local job excluded
   job=$(xs_requeue_id)
@@ -263,12 +270,7 @@ xs_requeue_without() {
   XS_REQUEUED=1
   (
     trap '' TERM
-    scontrol requeuehold "$job" || exit
-    if scontrol update JobId="$job" ExcNodeList="${excluded:+$excluded,}$XS_RETRY_EXCLUDE"; then
-      scontrol release "$job"
-    else
-      printf 'xscale: could not exclude %s from job %s: it stays held (scontrol release %s)\n' \
-        "$XS_RETRY_EXCLUDE" "$job" "$job" >&2
-    fi
+    scontrol requeue "$job" &&
+      scontrol update JobId="$job" ExcNodeList="${excluded:+$excluded,}$XS_RETRY_EXCLUDE"
   )
 }

@@ -141,9 +141,8 @@ HW_EXCEPTION='HW Exception by GPU node-4 (Agent handle: 0x1ebc04e0) reason :GPU 
   [[ $output == *"blame: nid001: lumi.patterns [lumi-hsa-hw-exception] (rank 1)"* ]]
   [[ $output == *"retry 1 of 3: requeueing job 42 without nid001"* ]]
   [ "$(cat "$WORK/scontrol.calls")" = "show job 42
-requeuehold 42
-update JobId=42 ExcNodeList=nid001
-release 42" ]
+requeue 42
+update JobId=42 ExcNodeList=nid001" ]
   grep -q "run 0: excluded nid001" "$WORK/records/retries"
 }
 
