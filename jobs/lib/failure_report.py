@@ -73,13 +73,8 @@ def rank_words(ranks):
 
 def ranges(numbers):
     """1,2,3,5 -> '1-3,5'."""
-    spans = []
-    for number in sorted(numbers):
-        if spans and number == spans[-1][1] + 1:
-            spans[-1][1] = number
-        else:
-            spans.append([number, number])
-    return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in spans)
+    return ",".join(str(low) if low == high else f"{low}-{high}"
+                    for low, high in hostlist.spans(numbers))
 
 
 def expand_ranks(text):

@@ -325,14 +325,16 @@ def line(tag: str, fields: dict[str, Any]) -> str:
     return f"{tag} {json.dumps(_plain(fields), sort_keys=False)}"
 
 
-def gather_objects(value: Any) -> list[Any]:
-    """Every rank's `value`, in rank order, on every rank (a collective; one process: [value]).
-    For small records at the end of a run, once: all_gather_object pickles and pads them."""
+def gather_to_rank0(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order, on rank 0; an empty list elsewhere (a collective;
+    one process: [value]). For small records at the end of a run, once. Gathered to rank 0
+    only: an all-gather would send every rank all N records, N^2 of them on a large job."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+    is_rank0 = dist.get_rank() == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size() if is_rank0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered or []
 
 
 def rank_record(**fields: Any) -> None:

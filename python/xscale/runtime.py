@@ -206,7 +206,7 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
     accounting.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node, steps=steps,
                            param_digest=accounting.param_digest(model), startup=phases)
     # Once per run, at its end: rank 0 needs every rank's phases for the slowest one's node.
-    every_rank = accounting.gather_objects((ctx.rank, node, phases))
+    every_rank = accounting.gather_to_rank0((ctx.rank, node, phases))
     if not ctx.is_main:
         return
     started_up = startup.aggregate(startup.RankPhases(*record) for record in every_rank)

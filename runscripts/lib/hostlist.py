@@ -200,17 +200,22 @@ def compress(hosts: Sequence[str]) -> str:
     return ",".join(sorted(items))
 
 
+def spans(numbers: Sequence[int]) -> List[List[int]]:
+    """Runs of consecutive numbers, sorted: 1 2 3 5 -> [1, 3], [5, 5]."""
+    runs = []  # type: List[List[int]]
+    for number in sorted(numbers):
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return runs
+
+
 def _bracket(prefix: str, width: int, numbers: List[int]) -> str:
     if len(numbers) == 1:
         return "%s%0*d" % (prefix, width, numbers[0])
-    spans = []  # type: List[List[int]]
-    for number in sorted(numbers):
-        if spans and number == spans[-1][1] + 1:
-            spans[-1][1] = number
-        else:
-            spans.append([number, number])
     parts = ["%0*d" % (width, low) if low == high else "%0*d-%0*d" % (width, low, width, high)
-             for low, high in spans]
+             for low, high in spans(numbers)]
     return "%s[%s]" % (prefix, ",".join(parts))
 
 
