@@ -81,7 +81,7 @@ class Rank:
 
 
 def node_name(env: Dict[str, str]) -> str:
-    return env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    return env.get("SLURMD_NODENAME") or hostlist.short_name(socket.gethostname())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,14 +245,6 @@ def nvidia_bus_ids(sysfs: Path) -> List[str]:
     return [by_minor[minor] for minor in sorted(by_minor)]
 
 
-def cpu_list(text: str) -> set:
-    cpus = set()
-    for item in split_list(text.strip()):
-        low, _, high = item.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return cpus
-
-
 def check_cpu_affinity(me: Rank, env: Dict[str, str], vendor: str, sysfs: Path) -> Result:
     visible = visible_gpus(env, vendor)
     device = rank_gpu(visible, me.local_rank) if visible else None
@@ -262,8 +254,9 @@ def check_cpu_affinity(me: Rank, env: Dict[str, str], vendor: str, sysfs: Path) 
     if numa is None:
         return Result("cpu-affinity", SKIP, "sysfs does not say where GPU %s is" % device)
     mine = os.sched_getaffinity(0)
-    near = cpu_list((sysfs / ("devices/system/node/node%d/cpulist" % numa)).read_text())
-    shown = "CPUs %s, GPU %s on NUMA node %d" % (compact(mine), device, numa)
+    near = set(hostlist.expand_numbers(
+        (sysfs / ("devices/system/node/node%d/cpulist" % numa)).read_text()))
+    shown = "CPUs %s, GPU %s on NUMA node %d" % (hostlist.ranges(mine), device, numa)
     remedy = "bind each rank next to its GPU: srun --cpu-bind=mask_cpu:$(jobs/lib/cpu-masks lumi)"
     if not mine & near:
         return Result("cpu-affinity", FAIL, shown + " (no CPU on it)", remedy)
@@ -271,16 +264,6 @@ def check_cpu_affinity(me: Rank, env: Dict[str, str], vendor: str, sysfs: Path) 
         elsewhere = " (%d CPUs elsewhere)" % len(mine - near)
         return Result("cpu-affinity", WARN, shown + elsewhere, remedy)
     return Result("cpu-affinity", OK, shown)
-
-
-def compact(cpus: set) -> str:
-    spans: List[List[int]] = []
-    for cpu in sorted(cpus):
-        if spans and cpu == spans[-1][1] + 1:
-            spans[-1][1] = cpu
-        else:
-            spans.append([cpu, cpu])
-    return ",".join(str(a) if a == b else "%d-%d" % (a, b) for a, b in spans)
 
 
 def interface_state(name: str, sysfs: Path) -> str:

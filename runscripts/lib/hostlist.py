@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""Expand a Slurm hostlist exactly as `scontrol show hostnames` prints it.
+"""Slurm's syntax, in one module: hostlists (expanded exactly as `scontrol show hostnames` prints
+them, and compressed as Slurm reads them back), lists of numbers and ranges (cpusets, srun's task
+ranges), a node's short name, and where Slurm's block distribution puts each rank.
 
     hostlist.py --all LIST   every host, one per line, in Slurm's order
     hostlist.py LIST         the first host
 
-`get-master --all` execs this: it runs inside containers without Slurm tools and on login nodes
-whose python3 may be 3.6, so it uses the standard library only and no syntax newer than 3.6.
-A malformed LIST prints one line, `get-master: error: ...`, on stderr and exits 2.
+Its users run where only a system Python may be: `get-master --all` execs this inside containers
+without Slurm tools and on login nodes, the doctor imports it on every rank, and the batch host's
+supervisor, stager and failure report (jobs/lib/) import it too. So: the standard library only and
+no syntax newer than Python 3.6. A malformed LIST prints one line, `get-master: error: ...`, on
+stderr and exits 2. run.sh's first-host path is bash (hostlist.sh, which says why); the tests hold
+both grammars to one table of cases (tests/test_get_master.py).
 
 Slurm's rules, checked against `scontrol show hostnames` (Slurm 22.05):
 - items are separated by ',' or whitespace; duplicates are kept, order is kept;
@@ -198,6 +203,35 @@ def compress(hosts: Sequence[str]) -> str:
     items = plain + [_bracket(prefix, width, numbers)
                      for (prefix, width), numbers in groups.items()]
     return ",".join(sorted(items))
+
+
+def short_name(host: str) -> str:
+    """A node's short name, as `hostname -s` and Slurm print it: PALS and PBS's node file name
+    Aurora's nodes by their full domain name (x4102c5s2b0n0.hostmgmt2102.cm.aurora.alcf.anl.gov),
+    Slurm and the ranks' own reports by the first label alone."""
+    return host.split(".", 1)[0]
+
+
+def expand_numbers(text: str) -> List[int]:
+    """A list of numbers and ranges, as cpusets ("0-7,64-71\\n" in sysfs) and srun's task
+    messages ("tasks 0-1,3") write them, in order: [0, ..., 7, 64, ..., 71]. Raises ValueError
+    for anything else (an empty item, a range that runs backwards, a word)."""
+    numbers = []  # type: List[int]
+    for item in text.strip().split(","):
+        match = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", item.strip())
+        if not match:
+            raise ValueError("'%s' is not a list of numbers and ranges (e.g. 0-3,8)" % text)
+        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+        if high < low:
+            raise ValueError("range '%s' runs backwards" % item.strip())
+        numbers.extend(range(low, high + 1))
+    return numbers
+
+
+def ranges(numbers: Sequence[int]) -> str:
+    """The inverse of expand_numbers for a set: 1 2 3 5 -> '1-3,5'."""
+    return ",".join(str(low) if low == high else "%d-%d" % (low, high)
+                    for low, high in spans(set(numbers)))
 
 
 def spans(numbers: Sequence[int]) -> List[List[int]]:
