@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from xscale import report
+from xscale import records
 
 
 def tagged_records(output: str, tag: str) -> list[dict]:
     """Every `TAG {json}` line in the output, in order: after srun --label's `RANK: `, and
-    joined again where srun --label cut it (xscale.report.unsplit)."""
-    return report.tagged(output.splitlines(), tag)
+    joined again where srun --label cut it (xscale.records.unsplit)."""
+    return records.tagged(output.splitlines(), tag)
 
 
 def summary(output: str) -> dict:

@@ -10,51 +10,15 @@ Bad input (no such file, no summary, no phases to draw) is one line on stderr an
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
-from xscale import startup
+from xscale import records, startup
 
 
 class ReportError(Exception):
     """Input this report cannot read: one line and status 2."""
-
-
-# srun --label cuts every output line after 1024 bytes and prints the rest as a line of its own,
-# labelled again ("0: AAA...A" then "0: AAA"): the job templates run srun --label, and
-# XSCALE_SUMMARY is longer than that. Measured with Slurm 22.05 (tests/test_xscale_lib.py).
-SRUN_LABEL_CUT = 1024
-SRUN_LABEL = re.compile(r"^ *(\d+): (.*)$")
-
-
-def unsplit(lines: list[str]) -> list[str]:
-    """LINES with the pieces srun --label cut apart joined again: a labelled line whose text is
-    exactly SRUN_LABEL_CUT bytes long goes on in the next line with the same label."""
-    joined: list[str] = []
-    cut_open: dict[str, int] = {}  # label -> index of its cut line in `joined`
-    for line in lines:
-        match = SRUN_LABEL.match(line)
-        if not match:
-            joined.append(line)
-            continue
-        label, text = match.groups()
-        if label in cut_open:
-            index = cut_open.pop(label)
-            joined[index] += text
-        else:
-            index = len(joined)
-            joined.append(line)
-        if len(text.encode()) == SRUN_LABEL_CUT:
-            cut_open[label] = index
-    return joined
-
-
-def tagged(lines: list[str], tag: str) -> list[dict]:
-    prefix = tag + " "
-    return [json.loads(line[line.index(prefix) + len(prefix):])
-            for line in unsplit(lines) if prefix in line]
 
 
 def rendezvous(lines: list[str]) -> str:
@@ -83,7 +47,7 @@ def losses(summary: dict) -> str:
 
 def render(lines: list[str]) -> str:
     summary = last_summary(lines)
-    nodes = sorted({record["node"] for record in tagged(lines, "XSCALE_RANK")})
+    nodes = sorted({record["node"] for record in records.tagged(lines, "XSCALE_RANK")})
     rows = [
         ("trainer", summary.get("trainer", "?")),
         ("world size", f"{summary['world_size']} ranks on {len(nodes) or '?'} nodes "
@@ -103,7 +67,7 @@ def render(lines: list[str]) -> str:
 
 
 def last_summary(lines: list[str]) -> dict:
-    summaries = tagged(lines, "XSCALE_SUMMARY")
+    summaries = records.tagged(lines, "XSCALE_SUMMARY")
     if not summaries:
         raise ReportError("no XSCALE_SUMMARY line (did the run finish?)")
     return summaries[-1]
@@ -113,7 +77,7 @@ def rank_phases(lines: list[str], summary: dict) -> list[startup.RankPhases]:
     """Each rank's start-up phases from its XSCALE_RANK line. A requeued job's output holds one
     line per rank per run: the last one of each rank is the run the summary is about."""
     latest: dict[int, startup.RankPhases] = {}
-    for record in tagged(lines, "XSCALE_RANK"):
+    for record in records.tagged(lines, "XSCALE_RANK"):
         phases, rank = record.get("startup"), record.get("rank")
         if isinstance(phases, dict) and isinstance(rank, int) \
                 and rank < summary.get("world_size", rank + 1):
