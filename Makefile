@@ -9,6 +9,9 @@ STAMP   := $(VENV)/.xscale-installed
 BUILD   := build
 SHELL_SOURCES = $(shell git ls-files 'runscripts/*' 'jobs/*' 'containers/*' 'tests/*.sh' 'tests/**/*.sh' 'tests/shim/*' '.ci/run' | \
                   while read -r f; do head -c 100 "$$f" | grep -qE '^(\#!.*(ba)?sh|\# shellcheck shell=bash)' && echo "$$f"; done)
+# Python programs without a .py name (jobs/lib/stage, stage-node): ruff reads them when named.
+PYTHON_SCRIPTS = $(shell git ls-files 'runscripts/*' 'jobs/*' 'tests/*' | grep -v '\.' | \
+                  while read -r f; do head -c 100 "$$f" | grep -qE '^\#!.*python' && echo "$$f"; done)
 
 .PHONY: help setup system-packages venv test lint unit demo bench sif cluster-up cluster-down clean
 
@@ -36,7 +39,7 @@ $(STAMP): requirements.txt requirements-deepspeed.txt constraints.txt
 
 lint: setup
 	shellcheck $(SHELL_SOURCES)
-	$(VENV)/bin/ruff check python tests runscripts jobs
+	$(VENV)/bin/ruff check python tests runscripts jobs $(PYTHON_SCRIPTS)
 
 # One pytest run for everything (the bats suites run from tests/test_bats.py), so CI reads one
 # closing line.

@@ -13,26 +13,16 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
-import tarfile
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from xscale import archive
 from xscale.lifecycle import UserError
 
 DEFAULT_TIMEOUT_S = 1800.0  # ImageNet's 150 GB from Lustre into RAM takes minutes, not hours
 POLL_S = 0.2
-
-
-def _stem(tar_path: Path) -> str:
-    name = tar_path.name
-    for suffix in (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
 
 
 def _identity(tar_path: Path) -> str:
@@ -43,17 +33,8 @@ def _identity(tar_path: Path) -> str:
 
 def staged_paths(tar_path: Path, dest_root: Path) -> tuple[Path, Path, Path]:
     """(the staged directory, its completion marker, its failure marker)."""
-    stem = _stem(tar_path)
+    stem = archive.stem(tar_path.name)
     return dest_root / stem, dest_root / f".{stem}.staged", dest_root / f".{stem}.failed"
-
-
-def _extract(tar_path: Path, into: Path) -> None:
-    with tarfile.open(tar_path) as archive:
-        if hasattr(tarfile, "data_filter"):
-            # No absolute paths, no links out of the tree, no device files.
-            archive.extractall(into, filter="data")
-        else:  # Python without the PEP 706 filters
-            archive.extractall(into)
 
 
 def _run_token() -> str:
@@ -63,12 +44,6 @@ def _run_token() -> str:
         if env.get(name):
             return f"{env[name]}.{env.get('SLURM_STEP_ID', '')}"
     return f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
-
-
-def _write(path: Path, text: str) -> None:
-    temp = path.with_name(path.name + f".{os.getpid()}")
-    temp.write_text(text)
-    os.replace(temp, path)
 
 
 @contextmanager
@@ -91,27 +66,18 @@ def _unpack(tar_path: Path, dest_root: Path, identity: str) -> Path:
 
 def _unpack_locked(tar_path: Path, dest_root: Path, identity: str) -> Path:
     final, marker, failed = staged_paths(tar_path, dest_root)
-    if marker.is_file() and marker.read_text() == identity and final.is_dir():
-        return final
-    marker.unlink(missing_ok=True)
     failed.unlink(missing_ok=True)
     try:
         dest_root.mkdir(parents=True, exist_ok=True)
-        temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=dest_root))
-        try:
-            _extract(tar_path, temp)
-            if final.exists():  # an older or half-staged copy
-                shutil.rmtree(final)
-            os.rename(temp, final)
-        except BaseException:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise
-    except (OSError, tarfile.TarError) as error:
-        reason = " ".join(str(error).split())  # tarfile lists every method it tried, a line each
-        message = f"cannot unpack {tar_path} into {dest_root}: {reason}"
-        _write(failed, identity + _run_token() + "\n" + message + "\n")
+        # No space check: sizing the tarball means reading it through (or every header of it)
+        # once more from Lustre on every node; a full /tmp stops tar with its own cause instead.
+        archive.publish(str(tar_path), str(dest_root), final.name, identity, str(marker))
+    except (OSError, archive.ArchiveError) as error:
+        message = " ".join(str(error).split())
+        if not isinstance(error, archive.ArchiveError):
+            message = f"cannot unpack {tar_path} into {dest_root}: {message}"
+        archive.write_atomic(str(failed), identity + _run_token() + "\n" + message + "\n")
         raise UserError(message) from None
-    _write(marker, identity)
     return final
 
 

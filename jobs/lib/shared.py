@@ -1,0 +1,31 @@
+"""What the batch host's programs (supervisor.py, failure_report.py, stage, stage-node) import
+from the rest of the checkout, in one place.
+
+They run on the host's system Python (3.6 on LUMI's and Aurora's batch and login nodes), so they
+use only modules written for it: runscripts/lib/hostlist.py (Slurm's syntax), and
+python/xscale/records.py (the reader of XSCALE_SUMMARY) and python/xscale/archive.py (staging's
+unpack and publish), which the trainers use too. Those two are loaded from their files rather
+than imported as `xscale.records`: importing the package would run xscale/__init__.py, whose
+imports need a newer Python.
+"""
+
+import importlib.util
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "runscripts", "lib"))
+
+import hostlist  # noqa: E402,F401  (runscripts/lib, shared with get-master and the doctor)
+
+
+def _xscale_module(name):
+    path = os.path.join(ROOT, "python", "xscale", name + ".py")
+    spec = importlib.util.spec_from_file_location("xscale_" + name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+records = _xscale_module("records")
+archive = _xscale_module("archive")
