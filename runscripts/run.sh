@@ -48,7 +48,7 @@ Exported (each kept if already set):
   XSCALE_SITE, XSCALE_LAUNCHER   what was detected
   XSCALE_T_RUNSH, XSCALE_T_EXEC  wall-clock times (s since 1970) of run.sh's start and of the exec,
                       always overwritten and not in --print-env: the trainer reports the start-up
-                      phases from them and XSCALE_LAUNCH_T (set by jobs/lib/time-limit.sh)
+                      phases from them and XSCALE_LAUNCH_T (set by jobs/lib/supervisor.py)
   plus the site profile's variables (runscripts/sites/SITE.sh; see its README).
 
 Settings read:

@@ -388,7 +388,7 @@ def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):
     script = job_script(tmp_path, "blamed.sh", f"""
         export XSCALE_RETRY=1 XSCALE_MAX_RETRIES=1 XSCALE_BLAME=lumi
         export XSCALE_RECORDS_DIR={tmp_path}/records
-        source {REPO}/jobs/lib/time-limit.sh
+        source {REPO}/jobs/lib/supervise.sh
         requeueable_step srun --label --kill-on-bad-exit=1 bash -c \\
           'if ((SLURM_PROCID == 1)); then echo "{line}"; exit 1; fi; sleep 60'
         """)

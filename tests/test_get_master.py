@@ -411,8 +411,10 @@ def test_hostlist_py_is_python36_code():
 
 
 def find_python36() -> str | None:
-    """$XSCALE_PYTHON36 or a python3.6 on PATH that really is 3.6 (a pyenv shim may not run)."""
-    for python in (os.environ.get("XSCALE_PYTHON36"), shutil.which("python3.6")):
+    """$XSCALE_PYTHON36, a python3.6 on PATH, or pyenv's, that really is 3.6 (a pyenv shim may not
+    run)."""
+    pyenv = sorted(Path.home().glob(".pyenv/versions/3.6*/bin/python3.6"))
+    for python in (os.environ.get("XSCALE_PYTHON36"), shutil.which("python3.6"), *pyenv):
         if python:
             probe = run([python, "-c", "import sys; assert sys.version_info[:2] == (3, 6)"])
             if probe.returncode == 0:

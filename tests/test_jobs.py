@@ -68,8 +68,8 @@ def test_there_are_the_lumi_templates_the_scenarios_need():
     assert AURORA
 
 
-# The templates source them.
-HOST_LIBS = ["jobs/lib/time-limit.sh", "jobs/lib/container-paths.sh", "jobs/lib/user-env.sh"]
+# The templates source them: the site preludes and what they source.
+HOST_LIBS = sorted(str(path.relative_to(REPO)) for path in (REPO / "jobs" / "lib").glob("*.sh"))
 
 
 def test_every_template_is_shellcheck_clean():

@@ -1,13 +1,8 @@
-#!/usr/bin/env python3
 """What failed in a Slurm job step, and which node to blame for it.
 
-    failure_report.py --log STEP_LOG --nodes NODELIST [--tasks-per-node SPEC]
-                      [--node-states FILE] [--patterns FILE ...] [--blame-file FILE]
-    failure_report.py --check-patterns FILE ...
-
-jobs/lib/time-limit.sh runs this on the batch host after a failed step. STEP_LOG is what the
-step's `srun --label` wrote: each rank's lines prefixed `RANK: `, and srun's own messages, among
-them one per failed task in the order srun learned of them:
+jobs/lib/supervisor.py calls report() on the batch host after a failed step. The step log is what
+the step's `srun --label` wrote: each rank's lines prefixed `RANK: `, and srun's own messages,
+among them one per failed task in the order srun learned of them:
 
     srun: error: nid002: task 3: Exited with exit code 3
     srun: error: nid001: tasks 0-1: Killed
@@ -16,28 +11,22 @@ them one per failed task in the order srun learned of them:
 The first of those is the first failure; the later ones are knock-on (srun --kill-on-bad-exit, or
 peers that lost their collective). The report names the first failure, its node, status and last
 lines, counts the knock-on, and blames nodes when a bad-node pattern (jobs/lib/blame/*.patterns)
-matched a line, or Slurm saw a node of the job go down (NODE-STATES: `sinfo -N -o '%N %T'`). The
-blamed nodes go to BLAME-FILE as one Slurm hostlist (empty: no node to blame, do not retry).
+matched a line, or Slurm saw a node of the job go down (`sinfo -N -o '%N %T'` after the step).
 
 Runs on the batch host, where python3 may be 3.6: standard library only, nothing newer than 3.6.
 """
 
-import argparse
 import configparser
 import os
 import re
 import socket
-import sys
 from collections import OrderedDict
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                "..", "..", "runscripts", "lib"))
-import hostlist  # noqa: E402  (runscripts/lib, shared with get-master and the doctor)
+from shared import hostlist, records
 
 LAST_LINES = 5  # of the first failed rank's output
 TASK_EXIT = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<ranks>[0-9,-]+): (?P<how>.+)$")
 NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<node>\S+)")
-LABELLED = re.compile(r"^ *(?P<rank>[0-9]+): ?(?P<text>.*)$")
 # sinfo states of a node that failed or was taken away while the job ran (a trailing * means
 # "not responding"); see sinfo(1), NODE STATE CODES.
 BAD_NODE_STATE = re.compile(r"^(down|drain|drained|draining|fail|failing|unknown)|\*$")
@@ -68,21 +57,7 @@ class Blame:
 
 
 def rank_words(ranks):
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranges(ranks)}"
-
-
-def ranges(numbers):
-    """1,2,3,5 -> '1-3,5'."""
-    return ",".join(str(low) if low == high else f"{low}-{high}"
-                    for low, high in hostlist.spans(numbers))
-
-
-def expand_ranks(text):
-    ranks = []
-    for item in text.split(","):
-        low, _, high = item.partition("-")
-        ranks.extend(range(int(low), int(high or low) + 1))
-    return ranks
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {hostlist.ranges(ranks)}"
 
 
 # ---- pattern files ----------------------------------------------------------------------------
@@ -129,9 +104,9 @@ class StepLog:
             self._read(line.rstrip("\n"))
 
     def _read(self, line):
-        labelled = LABELLED.match(line)
+        labelled = records.label(line)
         if labelled:
-            rank, text = int(labelled.group("rank")), labelled.group("text")
+            rank, text = labelled
             self.by_rank.setdefault(rank, []).append(text)
             del self.by_rank[rank][:-LAST_LINES]
             self.lines.append((rank, text))
@@ -140,7 +115,7 @@ class StepLog:
         task_exit, node_failure = TASK_EXIT.match(line), NODE_FAILURE.match(line)
         if task_exit:
             self.exits.append(TaskExit(task_exit.group("node"),
-                                       expand_ranks(task_exit.group("ranks")),
+                                       hostlist.expand_numbers(task_exit.group("ranks")),
                                        task_exit.group("how").strip()))
         elif node_failure:
             self.node_failures.append(node_failure.group("node"))
@@ -223,8 +198,9 @@ def job_nodes_named(text, nodes):
         named = list(hostlist.expand(text))
     except hostlist.HostlistError:
         named = [text]
-    short_names = {node.split(".")[0]: node for node in nodes}
-    return [short_names[name.split(".")[0]] for name in named if name.split(".")[0] in short_names]
+    by_short_name = {hostlist.short_name(node): node for node in nodes}
+    return [by_short_name[hostlist.short_name(name)] for name in named
+            if hostlist.short_name(name) in by_short_name]
 
 
 def state_blames(states_text, nodes):
@@ -280,51 +256,17 @@ def report_lines(log, blames, placement, failed_nodes):
         yield "blame: no node (no bad-node pattern matched and no node went down)"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="failure_report.py",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--check-patterns", nargs="+", metavar="FILE")
-    parser.add_argument("--log")
-    parser.add_argument("--nodes", help="the job's nodes, a Slurm hostlist")
-    parser.add_argument("--tasks-per-node", default="", help="SLURM_TASKS_PER_NODE")
-    parser.add_argument("--node-states", help="`sinfo -N -h -o '%%N %%T'` of the job's nodes")
-    parser.add_argument("--patterns", nargs="*", default=[], metavar="FILE")
-    parser.add_argument("--blame-file")
-    args = parser.parse_args(argv)
-    try:
-        if args.check_patterns:
-            load_patterns(args.check_patterns)
-            return 0
-        return report(args)
-    except (PatternError, hostlist.HostlistError, OSError) as error:
-        print(f"xscale: error: {one_line(error)}", file=sys.stderr)
-        return 2
-
-
-def report(args):
-    if not (args.log and args.nodes):
-        raise PatternError("--log and --nodes are required")
-    patterns = load_patterns(args.patterns)
-    nodes = list(hostlist.expand(args.nodes))
-    placement = hostlist.block_placement(nodes, args.tasks_per_node)
-    with open(args.log, errors="replace") as handle:
+def report(log_path, nodes_text, tasks_per_node, node_states, patterns):
+    """(the report's lines, the nodes it blames) for the step whose srun --label output is in
+    LOG_PATH, on the job's nodes NODES_TEXT (a hostlist) laid out as TASKS_PER_NODE
+    (SLURM_TASKS_PER_NODE), NODE_STATES as `sinfo -N -h -o '%N %T'` printed them after it."""
+    nodes = list(hostlist.expand(nodes_text))
+    placement = hostlist.block_placement(nodes, tasks_per_node)
+    with open(log_path, errors="replace") as handle:
         log = StepLog(handle)
-    states = ""
-    if args.node_states:
-        with open(args.node_states) as handle:
-            states = handle.read()
-    node_failures = [Blame(node, "srun: node failure during the step")
-                     for text in log.node_failures for node in job_nodes_named(text, nodes)]
-    blames = first_blame_per_node(node_failures + state_blames(states, nodes)
+    failed_nodes = [node for text in log.node_failures for node in job_nodes_named(text, nodes)]
+    node_failures = [Blame(node, "srun: node failure during the step") for node in failed_nodes]
+    blames = first_blame_per_node(node_failures + state_blames(node_states, nodes)
                                   + pattern_blames(log, patterns, nodes, placement))
-    failed_nodes = {node for text in log.node_failures for node in job_nodes_named(text, nodes)}
-    for line in report_lines(log, blames, placement, failed_nodes):
-        print("xscale: " + line)
-    if args.blame_file:
-        with open(args.blame_file, "w") as handle:
-            handle.write(hostlist.compress([blame.node for blame in blames]) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    lines = list(report_lines(log, blames, placement, set(failed_nodes)))
+    return lines, [blame.node for blame in blames]

@@ -3,7 +3,7 @@
 Six moments, wall-clock seconds since 1970 (bash's EPOCHREALTIME and Python's time.time() read
 the same clock; across nodes they agree as well as NTP or PTP keeps the nodes' clocks):
 
-    launch      XSCALE_LAUNCH_T: the batch script launched the step (jobs/lib/time-limit.sh)
+    launch      XSCALE_LAUNCH_T: the batch script launched the step (jobs/lib/supervisor.py)
     run_sh      XSCALE_T_RUNSH: run.sh began on this rank
     exec        XSCALE_T_EXEC: run.sh exec'd the trainer
     imports     the xscale package was imported: every trainer imports torch (and its other

@@ -721,7 +721,7 @@ xs_setup_profiling() {
 
 # ---------------------------------------------------------------------------------------------
 # Start-up phases (docs/STARTUP.md): the trainer reports how long each rank took from the
-# step's launch to run.sh (XSCALE_LAUNCH_T, set by jobs/lib/time-limit.sh), through run.sh, to
+# step's launch to run.sh (XSCALE_LAUNCH_T, set by jobs/lib/supervisor.py), through run.sh, to
 # the exec. Two reads of bash's clock, no fork. Always overwritten, never xs_default: a value
 # inherited from an outer run.sh would be another process's time. Not in --print-env, whose
 # output must not change from one run to the next. EPOCHREALTIME is empty before bash 5; the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bats
-# jobs/lib/time-limit.sh's decisions, with `scontrol` replaced by a recorder and `sinfo` by a
+# jobs/lib/supervise.sh's and supervisor.py's decisions, with `scontrol` replaced by a recorder and `sinfo` by a
 # node-state table. The real signal -> checkpoint -> requeue -> resume path and the real
 # failure -> blame -> retry path run on the virtual cluster (tests/test_failures.py).
 
@@ -24,7 +24,7 @@ teardown() {
 warned_job() {
   cat >"$WORK/job.sh" <<JOB
 set -euo pipefail  # as in the templates
-source "$REPO/jobs/lib/time-limit.sh"
+source "$REPO/jobs/lib/supervise.sh"
 requeueable_step bash -c 'trap "kill %1; exit \${STEP_STATUS:-0}" USR1; kill -USR1 \$PPID; sleep 60 & wait'
 echo "after the step"
 JOB
@@ -46,7 +46,7 @@ JOB
 }
 
 @test "a step that ends without a warning is not requeued" {
-  run bash -c "source '$REPO/jobs/lib/time-limit.sh'; requeueable_step true"
+  run bash -c "source '$REPO/jobs/lib/supervise.sh'; requeueable_step true"
   [ "$status" -eq 0 ]
   [ ! -e "$WORK/scontrol.calls" ]
 }
@@ -60,7 +60,7 @@ JOB
 
 @test "a malformed XSCALE_MAX_REQUEUES stops before the step runs" {
   XSCALE_MAX_REQUEUES='1+x' run bash -c \
-    "source '$REPO/jobs/lib/time-limit.sh'; requeueable_step touch '$WORK/ran'"
+    "source '$REPO/jobs/lib/supervise.sh'; requeueable_step touch '$WORK/ran'"
   [ "$status" -eq 2 ]
   [ "$output" = "xscale: error: XSCALE_MAX_REQUEUES='1+x' is not a whole number" ]
   [ ! -e "$WORK/ran" ]
@@ -69,7 +69,7 @@ JOB
 @test "a warning during an earlier step is held: the training step does not start, the job requeues" {
   cat >"$WORK/job.sh" <<JOB
 set -euo pipefail
-source "$REPO/jobs/lib/time-limit.sh"
+source "$REPO/jobs/lib/supervise.sh"
 bash -c 'kill -USR1 \$PPID'  # a staging step, during which the warning comes
 echo "staging done"
 requeueable_step touch "$WORK/trained"
@@ -87,7 +87,7 @@ JOB
   # the warning and the step's end race. Repeated: bash's own wait got this wrong 1 run in 5.
   cat >"$WORK/job.sh" <<JOB
 set -euo pipefail
-source "$REPO/jobs/lib/time-limit.sh"
+source "$REPO/jobs/lib/supervise.sh"
 requeueable_step bash -c "trap '' USR1; kill -USR1 \$\$; exit 0"
 echo "step status \$?"
 JOB
@@ -109,7 +109,7 @@ JOB
 @test "a step that finished its training when the warning came is not requeued" {
   cat >"$WORK/job.sh" <<JOB
 set -euo pipefail
-source "$REPO/jobs/lib/time-limit.sh"
+source "$REPO/jobs/lib/supervise.sh"
 requeueable_step bash -c "trap '' USR1; kill -USR1 \$\$; echo '0: XSCALE_SUMMARY {\"steps\": 60, \"stopped_early\": false}'"
 JOB
   run bash "$WORK/job.sh"
@@ -123,7 +123,7 @@ JOB
 failed_job() {
   cat >"$WORK/job.sh" <<JOB
 set -euo pipefail
-source "$REPO/jobs/lib/time-limit.sh"
+source "$REPO/jobs/lib/supervise.sh"
 requeueable_step bash -c 'printf "0: step 10\n1: %s\n" "\$1"
   printf "srun: error: nid001: task 1: Exited with exit code 1\nsrun: error: nid001: task 0: Killed\n" >&2
   exit 1' step "$1"
@@ -178,7 +178,7 @@ update JobId=42 ExcNodeList=nid001" ]
   printf '[broken\n' >"$WORK/broken.patterns"
   for setting in XSCALE_MAX_RETRIES=x3 XSCALE_RETRY=yes "XSCALE_BLAME=$WORK/broken.patterns"; do
     run env "$setting" bash -c \
-      "set -euo pipefail; source '$REPO/jobs/lib/time-limit.sh'; requeueable_step touch '$WORK/ran'"
+      "set -euo pipefail; source '$REPO/jobs/lib/supervise.sh'; requeueable_step touch '$WORK/ran'"
     [ "$status" -eq 2 ]
     [ "${#lines[@]}" -eq 1 ]
     [[ $output == "xscale: error: "* ]]
@@ -189,7 +189,7 @@ update JobId=42 ExcNodeList=nid001" ]
 @test "the step gets its launch time, and only the step: a later command does not" {
   cat >"$WORK/job.sh" <<JOB
 set -euo pipefail
-source "$REPO/jobs/lib/time-limit.sh"
+source "$REPO/jobs/lib/supervise.sh"
 before=\$EPOCHREALTIME
 requeueable_step bash -c 'printf "%s\n" "\$XSCALE_LAUNCH_T" >"$WORK/launch"'
 after=\$EPOCHREALTIME

@@ -1,0 +1,447 @@
+#!/usr/bin/env python3
+"""The step supervisor: what happens to a Slurm batch job's training step, on the batch host.
+
+A job script sources jobs/lib/supervise.sh (the site preludes do) and runs its step in one line,
+`requeueable_step srun --label ... /runscripts/run.sh python train.py`; supervise.sh holds the
+signals the batch shell receives and calls this program for everything else:
+
+    supervisor.py --stop-file F check            settings and records directory, before a step
+    supervisor.py --stop-file F run -- CMD...    run the step: its log, its signals, its status
+    supervisor.py --stop-file F judge            after it: requeue at the time limit, or report
+                                                 the failure, blame nodes and retry without them
+    supervisor.py --stop-file F retry-without NODES|@FILE WHY   that retry, for another reason
+    supervisor.py --stop-file F finish           as the batch script exits: the requeue decided
+
+F is where supervise.sh writes each stop signal the batch shell got (USR1: Slurm's time-limit
+warning, `#SBATCH --signal=B:USR1@300`; TERM: scancel or preemption) before passing it on: the
+batch shell alone is signalled, and it is the one that knows, when `judge` runs, every signal that
+came before the step ended. docs/FAILURES.md tells the whole story; docs/ARCHITECTURE.md which
+file owns what.
+
+Runs on the batch host's system Python (3.6 on LUMI and Aurora): standard library only, nothing
+newer than 3.6. User errors (a bad setting, a pattern file that does not parse, a records
+directory that cannot be written) are one line, `xscale: error: ...`, and status 2.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import failure_report
+from shared import records
+
+STOP_SIGNALS = {signal.SIGUSR1: "USR1", signal.SIGTERM: "TERM"}
+WHOLE_NUMBER = re.compile(r"^[0-9]+$")
+COPY_DRAIN_S = 5  # how long the step's output may trail its end (a process it left behind)
+
+
+class UserError(Exception):
+    """A setting or input the user can fix: one line and status 2."""
+
+
+def say(text):
+    print("xscale: " + text, file=sys.stderr, flush=True)
+
+
+# ---- settings -----------------------------------------------------------------------------------
+
+class Settings:
+    """What the job asked for, from the environment; checked before the first step, so that a
+    typo is one line and exit 2, not a surprise after an hour of training."""
+
+    def __init__(self, env):
+        self.env = env
+        for name in ("XSCALE_MAX_REQUEUES", "XSCALE_MAX_RETRIES"):
+            if name in env and not WHOLE_NUMBER.match(env[name]):
+                raise UserError("%s='%s' is not a whole number" % (name, env[name]))
+        self.max_requeues = int(env.get("XSCALE_MAX_REQUEUES", "20"))
+        self.max_retries = int(env.get("XSCALE_MAX_RETRIES", "3"))
+        self.retry = env.get("XSCALE_RETRY", "0")
+        if self.retry not in ("0", "1"):
+            raise UserError("XSCALE_RETRY='%s' must be 0 or 1" % self.retry)
+        self.blame_files = blame_files(env.get("XSCALE_BLAME", "slurm"))
+        try:
+            self.patterns = failure_report.load_patterns(self.blame_files)
+        except failure_report.PatternError as error:
+            raise UserError(str(error)) from None
+        self.job = requeue_id(env)
+        self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+        self.records_dir = env.get("XSCALE_RECORDS_DIR") or os.path.join(
+            env.get("SLURM_SUBMIT_DIR") or os.getcwd(), "xscale-records", self.job)
+
+
+def blame_files(words):
+    """The pattern files XSCALE_BLAME names: a word with a '/' is a path, any other is
+    jobs/lib/blame/WORD.patterns."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [word if "/" in word else os.path.join(here, "blame", word + ".patterns")
+            for word in words.split()]
+
+
+def requeue_id(env):
+    """The job to requeue: an array task by its own id (ARRAY_TASK), not the whole array's."""
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return "%s_%s" % (env["SLURM_ARRAY_JOB_ID"], env["SLURM_ARRAY_TASK_ID"])
+    return env.get("SLURM_JOB_ID", "")
+
+
+# ---- the records: what this run of the job did, kept in XSCALE_RECORDS_DIR ----------------------
+
+class Records:
+    """XSCALE_RECORDS_DIR: the same directory in every run of the job (a requeue keeps the job id),
+    so that a run knows how often the job was retried. Per run R (SLURM_RESTART_COUNT): the log
+    of each step S, runR-stepS.log, and runR.json, its steps' statuses and the requeue decided."""
+
+    def __init__(self, settings, create=True):
+        self.dir = settings.records_dir
+        self.run = settings.restarts
+        if create:
+            try:
+                os.makedirs(self.dir, exist_ok=True)
+            except OSError:
+                pass
+            if not (os.path.isdir(self.dir) and os.access(self.dir, os.W_OK)):
+                raise UserError("XSCALE_RECORDS_DIR %s cannot be created or written" % self.dir)
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def state_path(self):
+        return self.path("run%d.json" % self.run)
+
+    def load(self):
+        try:
+            with open(self.state_path()) as handle:
+                return json.load(handle)
+        except (OSError, ValueError):
+            return {"steps": [], "requeue": None}
+
+    def save(self, state):
+        partial = self.state_path() + ".new"
+        with open(partial, "w") as handle:
+            json.dump(state, handle, indent=1)
+        os.replace(partial, self.state_path())
+
+    def next_step_log(self, state):
+        return self.path("run%d-step%d.log" % (self.run, len(state["steps"]) + 1))
+
+    def retries(self):
+        """Retries made so far, in every run: one line each in the history."""
+        try:
+            with open(self.path("retries")) as handle:
+                return sum(1 for line in handle if line.strip())
+        except OSError:
+            return 0
+
+    def add_retry(self, nodes, why):
+        with open(self.path("retries"), "a") as handle:
+            handle.write("%s run %d: excluded %s after %s\n"
+                         % (time.strftime("%Y-%m-%dT%H:%M:%S"), self.run, nodes, why))
+
+
+def record_stop(stop_file, name):
+    if stop_file:
+        with open(stop_file, "a") as handle:
+            handle.write(name + "\n")
+
+
+def stop_signals(stop_file):
+    """The stop signals the batch shell received so far, oldest first."""
+    try:
+        with open(stop_file) as handle:
+            return handle.read().split()
+    except (OSError, TypeError):
+        return []
+
+
+# ---- run: the step itself ------------------------------------------------------------------------
+
+class Step:
+    """CMD (the srun line) with its output going to the job's output as it comes and, copied, to
+    LOG, and with the stop signals passed on to it."""
+
+    def __init__(self, command, log, stop_file):
+        self.command, self.log, self.stop_file = command, log, stop_file
+        self.proc = None
+        self.forwarded = set()
+
+    def run(self):
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self.on_stop)
+        came = stop_signals(self.stop_file)
+        if came:
+            say("not starting the step: SIG%s came before it" % came[-1])
+            return 143 if came[-1] == "TERM" else 0
+        # The launch time, for the trainers' start-up phases (docs/STARTUP.md), in bash's
+        # EPOCHREALTIME form; only this step's environment holds it, so an srun typed later by
+        # hand reports its launch as unknown rather than this step's.
+        env = dict(os.environ, XSCALE_LAUNCH_T="%.6f" % time.time())
+        with open(self.log, "ab") as log:
+            try:
+                self.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT)
+            except OSError as error:
+                say("cannot start the step: %s: %s" % (self.command[0], error.strerror))
+                return 127
+            copier = threading.Thread(target=copy_output, args=(self.proc.stdout, log),
+                                      daemon=True)
+            copier.start()
+            # A signal the batch shell got while this program started found no step to pass
+            # it on to.
+            for name in sorted(set(stop_signals(self.stop_file))):
+                self.forward(getattr(signal, "SIG" + name))
+            status = self.proc.wait()
+            # The output ends with the step, unless a process it left behind holds the pipe:
+            # then the log may miss that process's lines, not the step's.
+            copier.join(COPY_DRAIN_S)
+        return 128 - status if status < 0 else status
+
+    def on_stop(self, signum, frame):
+        """A stop signal from the batch shell, or from Slurm directly (scancel signals every
+        process of the batch step): recorded as the batch shell records its own, and passed on."""
+        record_stop(self.stop_file, STOP_SIGNALS[signum])
+        if self.proc is not None:
+            self.forward(signum)
+
+    def forward(self, signum):
+        """Each stop signal is passed on once: the trainers take it as a flag, and it may come
+        twice (from the batch shell, and from scancel to every process of the batch step)."""
+        if signum not in self.forwarded and self.proc.poll() is None:
+            self.forwarded.add(signum)
+            say("SIG%s received: the ranks save a checkpoint after this step and exit"
+                % STOP_SIGNALS[signum])
+            self.proc.send_signal(signum)
+
+
+def copy_output(pipe, log):
+    out = sys.stdout.buffer
+    for chunk in iter(lambda: os.read(pipe.fileno(), 1 << 16), b""):
+        out.write(chunk)
+        out.flush()
+        log.write(chunk)
+        log.flush()
+
+
+def command_run(settings, stop_file, command):
+    book = Records(settings)
+    state = book.load()
+    step = {"log": book.next_step_log(state), "status": None}  # None: still running, or killed
+    state["steps"].append(step)
+    book.save(state)
+    step["status"] = Step(command, step["log"], stop_file).run()
+    book.save(state)
+    return step["status"]
+
+
+# ---- judge: what the step's end means --------------------------------------------------------
+
+def command_judge(settings, stop_file):
+    """After a clean stop on USR1 the job is requeued when the script exits (so that any clean-up
+    after the step still runs), unless the step had finished its training: the warning came as
+    it ended. A stop on TERM is not requeued: scancel means stop, and Slurm requeues preempted
+    jobs itself. Any other failure is reported, and retried without the nodes it blames."""
+    book = Records(settings)
+    state = book.load()
+    step = state["steps"][-1] if state["steps"] else {"status": None}
+    came = stop_signals(stop_file)
+    last = came[-1] if came else ""
+    status = step["status"]
+    if status is None:
+        say("error: the step's supervisor ended without its status (was it killed?)")
+        return 1
+    if last == "USR1" and status == 0:
+        if training_finished(step["log"]):
+            say("the step had finished its training when SIGUSR1 came: no requeue")
+        else:
+            state["requeue"] = {"why": "the time limit"}
+    elif status != 0 and last != "TERM":
+        report_failure(settings, book, state, step)
+    book.save(state)
+    return status
+
+
+def training_finished(log):
+    """A step that ran its training to the end says so in its summary (rank 0's XSCALE_SUMMARY,
+    read with the trainers' own reader)."""
+    try:
+        with open(log, errors="replace") as handle:
+            summaries = records.tagged(handle.read().splitlines(), "XSCALE_SUMMARY",
+                                       skip_invalid=True)
+    except OSError:
+        return False
+    return any(summary.get("stopped_early") is False for summary in summaries
+               if isinstance(summary, dict))
+
+
+def report_failure(settings, book, state, step):
+    say("the step failed with exit status %d; what srun saw:" % step["status"])
+    env = settings.env
+    nodes = env.get("SLURM_JOB_NODELIST", "")
+    states = node_states(nodes)
+    with open(step["log"] + ".node-states", "w") as handle:
+        handle.write(states)
+    try:
+        lines, blamed = failure_report.report(step["log"], nodes,
+                                              env.get("SLURM_TASKS_PER_NODE", ""), states,
+                                              settings.patterns)
+    except (OSError, failure_report.hostlist.HostlistError) as error:
+        say("error: no report: %s" % " ".join(str(error).split()))
+        return
+    for line in lines:
+        say(line)
+    if blamed:
+        retry_without(settings, book, state, failure_report.hostlist.compress(blamed),
+                      "the failure above")
+
+
+def node_states(nodes):
+    """Nodes Slurm lost or set down while the step ran (with --no-kill the job outlives them)."""
+    if not nodes:
+        return ""
+    try:
+        proc = subprocess.run(["sinfo", "--noheader", "--Node", "--nodes=" + nodes,
+                               "--format=%N %T"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, universal_newlines=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def retry_without(settings, book, state, nodes, why):
+    """Requeue the job without NODES (a Slurm hostlist) when the script exits, if XSCALE_RETRY=1
+    and fewer than XSCALE_MAX_RETRIES retries were made. A failure that blames no node never
+    comes here: a bug in the trainer must not loop."""
+    if settings.retry != "1":
+        say("to run again without %s: sbatch --exclude=%s ... (XSCALE_RETRY=1 does it)"
+            % (nodes, nodes))
+        return
+    done = book.retries()
+    if done >= settings.max_retries:
+        say("not retrying job %s without %s: %d retries already (XSCALE_MAX_RETRIES=%d)"
+            % (settings.job, nodes, done, settings.max_retries))
+        return
+    book.add_retry(nodes, why)
+    say("retry %d of %d: requeueing job %s without %s when this script ends"
+        % (done + 1, settings.max_retries, settings.job, nodes))
+    state["requeue"] = {"why": why, "exclude": nodes}
+
+
+def command_retry_without(settings, nodes, why):
+    """NODES: a hostlist, or @FILE for the one in FILE (the doctor's `exclude`, the stager's
+    --exclude-file), where "none", an empty or a missing file names no node."""
+    if nodes.startswith("@"):
+        nodes = listed_nodes(nodes[1:])
+    if not nodes:
+        return 0
+    book = Records(settings)
+    state = book.load()
+    retry_without(settings, book, state, nodes, why)
+    book.save(state)
+    return 0
+
+
+def listed_nodes(path):
+    try:
+        with open(path) as handle:
+            first = handle.readline().strip()
+    except OSError:
+        return ""
+    return "" if first == "none" else first
+
+
+# ---- finish: the requeue, as the batch script exits ------------------------------------------
+
+def command_finish(settings):
+    """Requeue as decided. Requeueing signals every process of the job, this one and scontrol
+    included, and kills them after KillWait: TERM is ignored from here on (supervise.sh ignores it
+    too, and scontrol inherits that)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not os.path.isdir(settings.records_dir):
+        return 0
+    decided = Records(settings, create=False).load().get("requeue")
+    if decided and decided.get("exclude"):
+        requeue_without(settings.job, decided["exclude"])
+    elif decided:
+        requeue_at_time_limit(settings)
+    return 0
+
+
+def requeue_at_time_limit(settings):
+    """A --time shorter than the --signal warning plus a minute gets the warning as the job
+    starts: each run would stop at once and requeue itself again, so requeueing stops after
+    XSCALE_MAX_REQUEUES runs (Slurm counts them in SLURM_RESTART_COUNT)."""
+    if settings.restarts >= settings.max_requeues:
+        say("stopped before the time limit, not requeueing: job %s was requeued %d times already "
+            "(XSCALE_MAX_REQUEUES=%d); is --time longer than the --signal warning?"
+            % (settings.job, settings.restarts, settings.max_requeues))
+        return
+    say("stopped before the time limit; requeueing job %s to resume" % settings.job)
+    scontrol("requeue", settings.job)
+
+
+def requeue_without(job, nodes):
+    """Slurm changes ExcNodeList only while a job is pending ("Job is no longer pending
+    execution"), so the job is requeued first, then updated: Slurm holds a requeued job back
+    (BeginTime) for longer than the update takes. Not `requeuehold` then `release`: an update
+    that waits for the failed step to end can outlast KillWait (seen on the test bed, KillWait=5),
+    and a job whose `release` never ran would stay held for good, while one whose update was lost
+    only runs again on the nodes Slurm still allows. Nodes excluded by earlier retries stay
+    excluded."""
+    shown = scontrol("show", "job", job)
+    found = re.search(r"ExcNodeList=(\S+)", shown or "")
+    excluded = found.group(1) if found and found.group(1) != "(null)" else ""
+    if scontrol("requeue", job) is not None:
+        scontrol("update", "JobId=" + job, "ExcNodeList=" + (excluded + "," if excluded else "")
+                 + nodes)
+
+
+def scontrol(*args):
+    """scontrol's output, or None when it failed (it said why on stderr)."""
+    proc = subprocess.run(["scontrol"] + list(args), stdout=subprocess.PIPE,
+                          universal_newlines=True)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="supervisor.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--stop-file", help="the stop signals the batch shell received")
+    verbs = parser.add_subparsers(dest="verb")
+    verbs.add_parser("check")
+    run = verbs.add_parser("run")
+    run.add_argument("command", nargs=argparse.REMAINDER)
+    verbs.add_parser("judge")
+    retry = verbs.add_parser("retry-without")
+    retry.add_argument("nodes")
+    retry.add_argument("why")
+    verbs.add_parser("finish")
+    args = parser.parse_args(argv)
+    try:
+        settings = Settings(os.environ)
+        if args.verb == "check":
+            Records(settings)
+            return 0
+        if args.verb == "run":
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            return command_run(settings, args.stop_file, command)
+        if args.verb == "judge":
+            return command_judge(settings, args.stop_file)
+        if args.verb == "retry-without":
+            return command_retry_without(settings, args.nodes, args.why)
+        if args.verb == "finish":
+            return command_finish(settings)
+        parser.error("no verb given")
+    except UserError as error:
+        say("error: " + str(error))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""jobs/lib/supervisor.py and the batch-host programs around it, without the cluster.
+
+tests/bats/supervise.bats drives the batch shell's side (signals, requeue, report, retry) with a
+recording scontrol; the real paths run on the virtual cluster (tests/test_failures.py,
+tests/test_jobs.py). Here: what those leave out, and that every program the batch host runs is
+Python 3.6 code, the system Python of LUMI's and Aurora's batch and login nodes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.test_get_master import find_python36
+
+JOBS_LIB = REPO / "jobs" / "lib"
+# Everything the batch host runs or imports in Python.
+HOST_PYTHON = [JOBS_LIB / "supervisor.py", JOBS_LIB / "failure_report.py", JOBS_LIB / "shared.py",
+               JOBS_LIB / "stage", JOBS_LIB / "stage-node",
+               REPO / "python" / "xscale" / "records.py", REPO / "python" / "xscale" / "archive.py",
+               REPO / "runscripts" / "lib" / "hostlist.py"]
+
+
+@pytest.mark.parametrize("path", HOST_PYTHON, ids=lambda path: path.name)
+def test_host_programs_are_python36_code(path: Path):
+    tree = ast.parse(path.read_text(), feature_version=(3, 6))
+    for node in ast.walk(tree):
+        assert not isinstance(node, ast.NamedExpr), "walrus is 3.8+"
+        if isinstance(node, ast.ImportFrom):
+            assert node.module not in ("__future__", "dataclasses"), node.module
+        if isinstance(node, ast.Import):
+            assert all(alias.name != "dataclasses" for alias in node.names)
+        if isinstance(node, ast.keyword):
+            assert node.arg not in ("strict", "capture_output", "text"), node.arg
+
+
+def test_host_programs_run_under_a_real_python36(tmp_path: Path):
+    python36 = find_python36()
+    if python36 is None:
+        pytest.skip("no Python 3.6 here (pyenv's 3.6.15, or XSCALE_PYTHON36)")
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "5", "XSCALE_RECORDS_DIR": str(tmp_path)}
+    check = subprocess.run([python36, str(JOBS_LIB / "supervisor.py"), "check"], env=env,
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert (check.returncode, check.stderr) == (0, "")
+    bad = subprocess.run([python36, str(JOBS_LIB / "supervisor.py"), "check"],
+                         env={**env, "XSCALE_RETRY": "2"}, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert (bad.returncode, bad.stderr) == (2, "xscale: error: XSCALE_RETRY='2' must be 0 or 1\n")
+    node = subprocess.run([python36, str(JOBS_LIB / "stage-node"), "clean", str(tmp_path / "x")],
+                          env={**env, "STAGE_NODE_NAME": "nid009"}, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert node.stdout == f"nid009 ok {tmp_path / 'x'} removed\n", node.stderr
+
+
+# ---- the supervisor's verbs, as supervise.sh calls them -----------------------------------------
+
+def supervisor(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """supervisor.py with a recording scontrol on PATH, in job 42's environment."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/bash\necho "$*" >>"{tmp_path}/scontrol.calls"\n')
+    scontrol.chmod(0o755)
+    base = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
+            "XSCALE_RECORDS_DIR": str(tmp_path / "records")}
+    return subprocess.run(["python3", str(JOBS_LIB / "supervisor.py"),
+                           "--stop-file", str(tmp_path / "stop"), *args],
+                          env={**base, **env}, capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def scontrol_calls(tmp_path: Path) -> list[str]:
+    calls = tmp_path / "scontrol.calls"
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+@pytest.mark.parametrize("listed", ["none\n", "", None])
+def test_a_file_that_names_no_node_retries_nothing(tmp_path, listed):
+    """The doctor writes `none` when every node passed; staging writes no file at all."""
+    listing = tmp_path / "exclude"
+    if listed is not None:
+        listing.write_text(listed)
+    proc = supervisor(tmp_path, "retry-without", f"@{listing}", "the preflight doctor",
+                      XSCALE_RETRY="1")
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert supervisor(tmp_path, "finish").returncode == 0
+    assert scontrol_calls(tmp_path) == []
+    assert not (tmp_path / "records" / "retries").exists()
+
+
+def test_a_listed_node_is_retried_as_a_blamed_one(tmp_path):
+    (tmp_path / "exclude").write_text("nid[002-003]\n")
+    proc = supervisor(tmp_path, "retry-without", f"@{tmp_path / 'exclude'}", "staging",
+                      XSCALE_RETRY="1")
+    assert proc.stderr == ("xscale: retry 1 of 3: requeueing job 42 without nid[002-003] when "
+                           "this script ends\n")
+    assert "run 0: excluded nid[002-003] after staging" in (
+        tmp_path / "records" / "retries").read_text()
+    assert scontrol_calls(tmp_path) == []  # not yet: when the script exits
+    supervisor(tmp_path, "finish")
+    assert scontrol_calls(tmp_path) == ["show job 42", "requeue 42",
+                                        "update JobId=42 ExcNodeList=nid[002-003]"]
+
+
+def run_step(tmp_path: Path, output: str, *stops: str) -> subprocess.CompletedProcess[str]:
+    """A step that prints OUTPUT, then the judgement of its end with STOPS received."""
+    proc = supervisor(tmp_path, "run", "--", "printf", "%s", output)
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "stop").write_text("".join(f"{name}\n" for name in stops))
+    return supervisor(tmp_path, "judge")
+
+
+def test_a_finished_training_is_read_from_a_summary_srun_label_cut(tmp_path):
+    """srun --label cuts a line after 1024 bytes and labels the rest again: a summary whose
+    stopped_early field falls in the second piece still says the training finished, read with
+    the trainers' own reader (the summary has grown past 1024 bytes before)."""
+    line = "XSCALE_SUMMARY " + json.dumps({"pad": "x" * 1200, "stopped_early": False})
+    pieces = [line[i:i + 1024] for i in range(0, len(line), 1024)]
+    assert '"stopped_early"' not in pieces[0]
+    output = "".join(f"0: {piece}\n" for piece in pieces)
+    judged = run_step(tmp_path, output, "USR1")
+    assert judged.returncode == 0
+    assert "had finished its training when SIGUSR1 came: no requeue" in judged.stderr
+    supervisor(tmp_path, "finish")
+    assert scontrol_calls(tmp_path) == []
+
+
+def test_a_log_cut_short_is_a_stopped_training_not_a_crash(tmp_path):
+    """A step killed mid-line leaves half a summary: not JSON, and no proof it finished."""
+    judged = run_step(tmp_path, '0: XSCALE_SUMMARY {"steps": 7, "stopped_ea\n', "USR1")
+    assert (judged.returncode, judged.stderr) == (0, "")
+    supervisor(tmp_path, "finish")
+    assert scontrol_calls(tmp_path) == ["requeue 42"]
+
+
+def test_a_step_that_cannot_start_is_one_line_and_no_traceback(tmp_path):
+    proc = supervisor(tmp_path, "run", "--", str(tmp_path / "no-such-srun"))
+    assert proc.returncode == 127
+    assert proc.stderr.startswith("xscale: cannot start the step: ") and \
+        len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert json.loads((tmp_path / "records" / "run0.json").read_text())["steps"][-1] == {
+        "log": str(tmp_path / "records" / "run0-step1.log"), "status": 127}
