@@ -342,7 +342,8 @@ def test_a_bad_node_line_requeues_the_job_without_that_node_and_it_resumes(clust
                                           XSCALE_TEST_FAULT=f"1:say:{line}")
     try:
         bad = job_nodes(job_id)[1]
-        wait_for(lambda: line in output.read_text(), 240, "the bad-node line")
+        # The job is RUNNING a moment before slurmstepd creates its output file.
+        wait_for(lambda: output.exists() and line in output.read_text(), 240, "the bad-node line")
         excluded, ended_s, state = through_the_retry(cluster, job_id, since=time.monotonic())
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)
