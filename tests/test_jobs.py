@@ -775,6 +775,14 @@ def test_pbs_ranks_get_their_place_from_pals(path: Path, tmp_path: Path):
 
 
 @pytest.mark.parametrize("path", AURORA, ids=ids)
+def test_pbs_with_an_empty_hsn_domain_takes_the_node_files_name(path: Path, tmp_path: Path):
+    """HSN_DOMAIN="" is how a site without ALCF's HSN names says: MASTER_ADDR as PBS wrote it."""
+    first = "x4102c5s2b0n0.hostmgmt2102.cm.aurora.alcf.anl.gov"
+    log = run_pbs(path, tmp_path, [first, "x4102c5s3b0n0"], HSN_DOMAIN="")
+    assert env_lines((log / "rank0.env").read_text())["MASTER_ADDR"] == first
+
+
+@pytest.mark.parametrize("path", AURORA, ids=ids)
 def test_pbs_without_a_user_environment_skips_copper(path: Path, tmp_path: Path):
     log = run_pbs(path, tmp_path, ["x1", "x2", "x3"], RANKS_PER_NODE="2")
     argv = (log / "argv").read_text().splitlines()

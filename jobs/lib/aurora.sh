@@ -69,7 +69,7 @@ unset MPIR_CVAR_CH4_COLL_SELECTION_TUNING_JSON_FILE MPIR_CVAR_COLL_SELECTION_TUN
 # high-speed network, as ALCF's DDP example forms it (short host name + HSN_DOMAIN, "PyTorch on
 # Aurora"; empty HSN_DOMAIN: the node file's name as it is). Always recomputed: a MASTER_ADDR
 # left in the submitting shell would point every rank at a node this job does not have.
-: "${HSN_DOMAIN:=hsn.cm.aurora.alcf.anl.gov}"
+: "${HSN_DOMAIN=hsn.cm.aurora.alcf.anl.gov}"  # `=`, not `:=`: an empty one is a choice
 NNODES=$(wc -l <"$PBS_NODEFILE")
 read -r MASTER_ADDR <"$PBS_NODEFILE"
 if [[ -n $HSN_DOMAIN ]]; then MASTER_ADDR=${MASTER_ADDR%%.*}.$HSN_DOMAIN; fi
