@@ -34,7 +34,7 @@ import threading
 import time
 
 import failure_report
-from shared import records
+from shared import hostlist, records
 
 STOP_SIGNALS = {signal.SIGUSR1: "USR1", signal.SIGTERM: "TERM"}
 WHOLE_NUMBER = re.compile(r"^[0-9]+$")
@@ -93,7 +93,7 @@ def requeue_id(env):
 
 # ---- the records: what this run of the job did, kept in XSCALE_RECORDS_DIR ----------------------
 
-class Records:
+class JobRecords:
     """XSCALE_RECORDS_DIR: the same directory in every run of the job (a requeue keeps the job id),
     so that a run knows how often the job was retried. Per run R (SLURM_RESTART_COUNT): the log
     of each step S, runR-stepS.log, and runR.json, its steps' statuses and the requeue decided."""
@@ -229,13 +229,14 @@ def copy_output(pipe, log):
 
 
 def command_run(settings, stop_file, command):
-    book = Records(settings)
-    state = book.load()
-    step = {"log": book.next_step_log(state), "status": None}  # None: still running, or killed
+    job_records = JobRecords(settings)
+    state = job_records.load()
+    # A status of None: still running, or its supervisor was killed.
+    step = {"log": job_records.next_step_log(state), "status": None}
     state["steps"].append(step)
-    book.save(state)
+    job_records.save(state)
     step["status"] = Step(command, step["log"], stop_file).run()
-    book.save(state)
+    job_records.save(state)
     return step["status"]
 
 
@@ -246,8 +247,8 @@ def command_judge(settings, stop_file):
     after the step still runs), unless the step had finished its training: the warning came as
     it ended. A stop on TERM is not requeued: scancel means stop, and Slurm requeues preempted
     jobs itself. Any other failure is reported, and retried without the nodes it blames."""
-    book = Records(settings)
-    state = book.load()
+    job_records = JobRecords(settings)
+    state = job_records.load()
     step = state["steps"][-1] if state["steps"] else {"status": None}
     came = stop_signals(stop_file)
     last = came[-1] if came else ""
@@ -261,8 +262,8 @@ def command_judge(settings, stop_file):
         else:
             state["requeue"] = {"why": "the time limit"}
     elif status != 0 and last != "TERM":
-        report_failure(settings, book, state, step)
-    book.save(state)
+        report_failure(settings, job_records, state, step)
+    job_records.save(state)
     return status
 
 
@@ -279,7 +280,7 @@ def training_finished(log):
                if isinstance(summary, dict))
 
 
-def report_failure(settings, book, state, step):
+def report_failure(settings, job_records, state, step):
     say("the step failed with exit status %d; what srun saw:" % step["status"])
     env = settings.env
     nodes = env.get("SLURM_JOB_NODELIST", "")
@@ -290,13 +291,13 @@ def report_failure(settings, book, state, step):
         lines, blamed = failure_report.report(step["log"], nodes,
                                               env.get("SLURM_TASKS_PER_NODE", ""), states,
                                               settings.patterns)
-    except (OSError, failure_report.hostlist.HostlistError) as error:
+    except (OSError, hostlist.HostlistError) as error:
         say("error: no report: %s" % " ".join(str(error).split()))
         return
     for line in lines:
         say(line)
     if blamed:
-        retry_without(settings, book, state, failure_report.hostlist.compress(blamed),
+        retry_without(settings, job_records, state, hostlist.compress(blamed),
                       "the failure above")
 
 
@@ -313,7 +314,7 @@ def node_states(nodes):
     return proc.stdout if proc.returncode == 0 else ""
 
 
-def retry_without(settings, book, state, nodes, why):
+def retry_without(settings, job_records, state, nodes, why):
     """Requeue the job without NODES (a Slurm hostlist) when the script exits, if XSCALE_RETRY=1
     and fewer than XSCALE_MAX_RETRIES retries were made. A failure that blames no node never
     comes here: a bug in the trainer must not loop."""
@@ -321,12 +322,12 @@ def retry_without(settings, book, state, nodes, why):
         say("to run again without %s: sbatch --exclude=%s ... (XSCALE_RETRY=1 does it)"
             % (nodes, nodes))
         return
-    done = book.retries()
+    done = job_records.retries()
     if done >= settings.max_retries:
         say("not retrying job %s without %s: %d retries already (XSCALE_MAX_RETRIES=%d)"
             % (settings.job, nodes, done, settings.max_retries))
         return
-    book.add_retry(nodes, why)
+    job_records.add_retry(nodes, why)
     say("retry %d of %d: requeueing job %s without %s when this script ends"
         % (done + 1, settings.max_retries, settings.job, nodes))
     state["requeue"] = {"why": why, "exclude": nodes}
@@ -339,10 +340,10 @@ def command_retry_without(settings, nodes, why):
         nodes = listed_nodes(nodes[1:])
     if not nodes:
         return 0
-    book = Records(settings)
-    state = book.load()
-    retry_without(settings, book, state, nodes, why)
-    book.save(state)
+    job_records = JobRecords(settings)
+    state = job_records.load()
+    retry_without(settings, job_records, state, nodes, why)
+    job_records.save(state)
     return 0
 
 
@@ -364,7 +365,7 @@ def command_finish(settings):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not os.path.isdir(settings.records_dir):
         return 0
-    decided = Records(settings, create=False).load().get("requeue")
+    decided = JobRecords(settings, create=False).load().get("requeue")
     if decided and decided.get("exclude"):
         requeue_without(settings.job, decided["exclude"])
     elif decided:
@@ -426,7 +427,7 @@ def main(argv=None):
     try:
         settings = Settings(os.environ)
         if args.verb == "check":
-            Records(settings)
+            JobRecords(settings)
             return 0
         if args.verb == "run":
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
