@@ -1,6 +1,13 @@
-"""Parsing of the machine-readable lines xscale prints (XSCALE_SUMMARY, XSCALE_RANK, ...)."""
+"""Parsing of the machine-readable lines xscale prints (XSCALE_SUMMARY, XSCALE_RANK, ...), and
+the checks that code meant for a host's system Python is Python 3.6 code."""
 
 from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 from xscale import records
 
@@ -31,3 +38,30 @@ def env_lines(output: str) -> dict[str, str]:
         if sep:
             pairs[key] = value
     return pairs
+
+
+def assert_python36_code(path: Path) -> None:
+    """PATH parses as Python 3.6 and uses nothing 3.6 lacks that the parser lets through."""
+    tree = ast.parse(path.read_text(), feature_version=(3, 6))
+    for node in ast.walk(tree):
+        assert not isinstance(node, ast.NamedExpr), "walrus is 3.8+"
+        if isinstance(node, ast.ImportFrom):
+            assert node.module not in ("__future__", "dataclasses"), node.module
+        if isinstance(node, ast.Import):
+            assert all(alias.name != "dataclasses" for alias in node.names)
+        if isinstance(node, ast.keyword):  # zip(strict=) is 3.10, subprocess's two are 3.7
+            assert node.arg not in ("strict", "capture_output", "text"), node.arg
+
+
+def find_python36() -> str | None:
+    """$XSCALE_PYTHON36, a python3.6 on PATH, or pyenv's, that really is 3.6 (a pyenv shim may not
+    run)."""
+    pyenv = sorted(Path.home().glob(".pyenv/versions/3.6*/bin/python3.6"))
+    for python in (os.environ.get("XSCALE_PYTHON36"), shutil.which("python3.6"), *pyenv):
+        if python:
+            probe = subprocess.run([str(python), "-c",
+                                    "import sys; assert sys.version_info[:2] == (3, 6)"],
+                                   capture_output=True, timeout=60, check=False)
+            if probe.returncode == 0:
+                return str(python)
+    return None

@@ -8,7 +8,6 @@ about a minute, hence the two-line config and a timeout on every call.
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import shutil
@@ -20,6 +19,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.helpers import assert_python36_code, find_python36
 
 REPO = Path(__file__).resolve().parent.parent
 GET_MASTER = REPO / "runscripts" / "get-master"
@@ -392,15 +393,7 @@ def test_library_forks_nothing(tmp_path):
 
 def test_hostlist_py_is_python36_code():
     """Python 3.6 syntax and library; also run under a real 3.6 where one is found."""
-    tree = ast.parse(HOSTLIST_PY.read_text(), feature_version=(3, 6))
-    for node in ast.walk(tree):
-        assert not isinstance(node, ast.NamedExpr), "walrus is 3.8+"
-        if isinstance(node, ast.ImportFrom):
-            assert node.module not in ("__future__", "dataclasses"), node.module
-        if isinstance(node, ast.Import):
-            assert all(alias.name != "dataclasses" for alias in node.names)
-        if isinstance(node, ast.keyword):
-            assert node.arg != "strict", "zip(strict=) is 3.10+"
+    assert_python36_code(HOSTLIST_PY)
     python36 = find_python36()
     if python36 is None:
         return
@@ -408,18 +401,6 @@ def test_hostlist_py_is_python36_code():
         proc = run([python36, str(HOSTLIST_PY), "--all", hostlist])
         assert hosts_of(proc) == list(hostlist_py.expand(hostlist))
     assert_one_error_line(run([python36, str(HOSTLIST_PY), "--all", "a[5-2]"]), "a[5-2]")
-
-
-def find_python36() -> str | None:
-    """$XSCALE_PYTHON36, a python3.6 on PATH, or pyenv's, that really is 3.6 (a pyenv shim may not
-    run)."""
-    pyenv = sorted(Path.home().glob(".pyenv/versions/3.6*/bin/python3.6"))
-    for python in (os.environ.get("XSCALE_PYTHON36"), shutil.which("python3.6"), *pyenv):
-        if python:
-            probe = run([python, "-c", "import sys; assert sys.version_info[:2] == (3, 6)"])
-            if probe.returncode == 0:
-                return python
-    return None
 
 
 # ---- property tests --------------------------------------------------------------------------

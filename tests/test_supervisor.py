@@ -8,7 +8,6 @@ Python 3.6 code, the system Python of LUMI's and Aurora's batch and login nodes.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_get_master import find_python36
+from tests.helpers import assert_python36_code, find_python36
 
 JOBS_LIB = REPO / "jobs" / "lib"
 # Everything the batch host runs or imports in Python.
@@ -29,15 +28,7 @@ HOST_PYTHON = [JOBS_LIB / "supervisor.py", JOBS_LIB / "failure_report.py", JOBS_
 
 @pytest.mark.parametrize("path", HOST_PYTHON, ids=lambda path: path.name)
 def test_host_programs_are_python36_code(path: Path):
-    tree = ast.parse(path.read_text(), feature_version=(3, 6))
-    for node in ast.walk(tree):
-        assert not isinstance(node, ast.NamedExpr), "walrus is 3.8+"
-        if isinstance(node, ast.ImportFrom):
-            assert node.module not in ("__future__", "dataclasses"), node.module
-        if isinstance(node, ast.Import):
-            assert all(alias.name != "dataclasses" for alias in node.names)
-        if isinstance(node, ast.keyword):
-            assert node.arg not in ("strict", "capture_output", "text"), node.arg
+    assert_python36_code(path)
 
 
 def test_host_programs_run_under_a_real_python36(tmp_path: Path):
