@@ -7,6 +7,7 @@ job on the node) and checks what a user would see.
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import pwd
 import re
@@ -380,6 +381,56 @@ def test_a_node_that_dies_is_excluded_and_the_job_resumes(cluster, mnist_data, t
     second = check_resumed_without(text, bad)
     print(f"{bad} crashed: first run ended {ended_s:.1f} s after it; the resumed run's launch "
           f"to first step: {second['startup']['total']}")
+
+
+def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mnist_data,
+                                                                   tmp_path):
+    """Rank 3 on nid002 frozen (SIGSTOP: a stuck GPU, a node swapping) mid-training, as a LUMI
+    user's job gets it: its peers time out in the collective it never joined, and the report
+    names rank 3, not the healthy rank whose collective timed out first, with its Python stack;
+    no node is blamed, so nothing is retried."""
+    timeout_s = 10
+    out_dir, output = tmp_path / "out", tmp_path / "job.out"
+    job_env = virtual_env(tmp_path, DATA=str(mnist_data), OUTPUT_DIR=str(out_dir),
+                          MAX_STEPS="1000000", OMP_NUM_THREADS="1",
+                          XSCALE_TIMEOUT_S=str(timeout_s))
+    job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", "4", "--epochs", "100000",
+                            env=job_env, output=output,
+                            sbatch_options=(*VIRTUAL, "--nodes=2", "--nodelist=nid[001-002]"))
+    try:
+        wait_for(lambda: (out_dir / "ckpt-000004.pt").exists(), 240, "training to be under way")
+        victim = rank_pid(job_id, 3)
+        assert job_processes(job_id)[victim]["SLURMD_NODENAME"] == "nid002"
+        frozen_at = time.monotonic()
+        os.kill(victim, signal.SIGSTOP)
+        wait_for(lambda: "xscale: blame:" in output.read_text(), timeout_s + 120, "the report")
+        took = time.monotonic() - frozen_at
+        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 120)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    print(f"rank 3 frozen, XSCALE_TIMEOUT_S={timeout_s}: the report came {took:.1f} s later")
+    report = [line for line in text.splitlines() if line.startswith("xscale: ")]
+    first = next(line for line in report if line.startswith("xscale: first failure"))
+    assert re.fullmatch(r"xscale: first failure: rank 3 on nid002: hung: ranks 0-2 timed out "
+                        r"in gloo:\w+ #\d+ waiting for it", first), text[-4000:]
+    # What rank 3 was doing, read with py-spy while it was still there: a Python stack.
+    stack = [line for line in text.splitlines() if line.startswith("xscale:   3: ")]
+    assert any("Thread" in line for line in stack), text[-4000:]
+    assert any(re.search(r"\(\S+\.py:\d+\)", line) for line in stack), stack
+    knock_on = next(line for line in report if line.startswith("xscale: knock-on"))
+    # The three that waited, as srun reported their ends; rank 3's own end is the hang's.
+    assert knock_on.startswith("xscale: knock-on: 3 ranks ended after it:"), knock_on
+    assert "rank 3 " not in knock_on, knock_on
+    assert report[-1].startswith("xscale: blame: no node (a hang names a rank"), report
+    assert (state, job_fields(job_id)["Restarts"]) == ("FAILED", "0")
+    records = out_dir / "xscale-records"
+    # The records the hang was read from (torch's analyzer reads them too): the three that
+    # waited wrote theirs in time; rank 3's, if any, came after Slurm continued it to end it.
+    flight = records / "run0-step1.fr"
+    assert {"rank0", "rank1", "rank2"} <= {path.name for path in flight.glob("rank*")}
+    assert json.loads((flight / "released").read_text()) == {"recorded": [0, 1, 2]}
+    assert json.loads((records / "hangs").read_text())["nodes"] == ["nid002"]
 
 
 def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):

@@ -521,6 +521,21 @@ def test_only_the_current_async_error_handling_name_is_exported(tmp_path):
     assert "NCCL_ASYNC_ERROR_HANDLING" not in env
 
 
+def test_the_flight_recorder_is_on_and_dumps_where_the_supervisor_reads(tmp_path):
+    """On by default under its current name (the old TORCH_NCCL_TRACE_BUFFER_SIZE would warn);
+    NCCL's dump on a timeout only where the step supervisor gave a directory for it."""
+    plain = print_env(base_env(tmp_path, **recorded_slurm_env()))
+    assert plain["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in plain
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in plain and "TORCH_FR_DUMP_TEMP_FILE" not in plain
+    records = tmp_path / "run0-step1.fr"
+    supervised = print_env(base_env(tmp_path, XSCALE_FR_DIR=str(records), TORCH_FR_BUFFER_SIZE="50",
+                                    **recorded_slurm_env()))
+    assert supervised["TORCH_FR_BUFFER_SIZE"] == "50"  # the user's size wins
+    assert supervised["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert supervised["TORCH_FR_DUMP_TEMP_FILE"] == f"{records}/rank"
+
+
 def rocm_release(tmp_path: Path, version: str | None) -> str:
     """A ROCM_PATH whose .info/version holds VERSION (none at all when VERSION is None)."""
     root = tmp_path / f"rocm-{version}"

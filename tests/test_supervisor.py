@@ -21,7 +21,8 @@ from tests.helpers import assert_python36_code, find_python36
 JOBS_LIB = REPO / "jobs" / "lib"
 # Everything the batch host runs or imports in Python.
 HOST_PYTHON = [JOBS_LIB / "supervisor.py", JOBS_LIB / "failure_report.py", JOBS_LIB / "shared.py",
-               JOBS_LIB / "stage", JOBS_LIB / "stage-node",
+               JOBS_LIB / "hangs.py", JOBS_LIB / "stage", JOBS_LIB / "stage-node",
+               REPO / "runscripts" / "lib" / "rank_stack.py",
                REPO / "python" / "xscale" / "records.py", REPO / "python" / "xscale" / "archive.py",
                REPO / "runscripts" / "lib" / "hostlist.py"]
 
@@ -137,3 +138,96 @@ def test_a_step_that_cannot_start_is_one_line_and_no_traceback(tmp_path):
         len(proc.stderr.splitlines()) == 1, proc.stderr
     assert json.loads((tmp_path / "records" / "run0.json").read_text())["steps"][-1] == {
         "log": str(tmp_path / "records" / "run0-step1.log"), "status": 127}
+
+
+# ---- a hang, from flight records as torch writes them -------------------------------------------
+
+def flight_record(rank: int, enqueued: int, completed: int, error: str | None = None) -> dict:
+    """A flight record of the default process group, as torch's dump pickles it (gloo's counts a
+    timed-out collective as completed, NCCL's does not), with xscale's entry when ERROR."""
+    record = {
+        "version": "2.10", "pg_config": {"": {"name": "", "desc": "", "ranks": "[0, 1, 2, 3]"}},
+        "pg_status": {"0": {"last_enqueued_collective": enqueued, "last_started_collective": -1,
+                            "last_completed_collective": completed}},
+        "entries": [{"collective_seq_id": seq, "pg_id": 0, "profiling_name": "gloo:all_reduce",
+                     "state": "scheduled"} for seq in range(max(enqueued - 2, 1), enqueued + 1)],
+    }
+    if error is not None:
+        record["xscale"] = {"error": error, "node": f"nid00{rank // 2 + 1}", "pid": 100 + rank,
+                            "job_step": "42.0"}
+    return record
+
+
+def write_records(fr_dir: Path, records: dict[int, dict]) -> None:
+    import pickle
+
+    fr_dir.mkdir(parents=True, exist_ok=True)
+    for rank, record in records.items():
+        (fr_dir / f"rank{rank}").write_bytes(pickle.dumps(record, protocol=2))
+
+
+TIMEOUT = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation"
+PLACEMENT = {0: "nid001", 1: "nid001", 2: "nid002", 3: "nid002"}
+
+
+def hangs_module():
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(JOBS_LIB))
+    try:
+        return importlib.import_module("hangs")
+    finally:
+        sys.path.remove(str(JOBS_LIB))
+
+
+@pytest.mark.parametrize("quiet_rank", [
+    None,  # frozen: no record at all
+    flight_record(3, 17, 17, TIMEOUT),  # alive, but its last collective came before #18
+])
+def test_the_rank_without_the_collective_the_others_timed_out_in_hung(tmp_path, quiet_rank):
+    hangs = hangs_module()
+    records = {rank: flight_record(rank, 18, 18, TIMEOUT) for rank in range(3)}
+    if quiet_rank is not None:
+        records[3] = quiet_rank
+    write_records(tmp_path / "fr", records)
+    hang = hangs.read_hang(str(tmp_path / "fr"), PLACEMENT, str(tmp_path / "stack-rank"))
+    assert (hang.culprits, hang.waiters, hang.what()) == ([3], [0, 1, 2], "gloo:all_reduce #18")
+
+
+def test_nccl_records_count_from_the_first_collective_not_completed(tmp_path):
+    """torch's watchdog writes a record on a timeout only, without xscale's entry."""
+    hangs = hangs_module()
+    write_records(tmp_path / "fr", {rank: flight_record(rank, 20, 17) for rank in range(3)})
+    hang = hangs.read_hang(str(tmp_path / "fr"), PLACEMENT, str(tmp_path / "stack-rank"))
+    assert (hang.culprits, hang.what()) == ([3], "gloo:all_reduce #18")
+
+
+def test_no_timeout_no_hang_and_late_records_do_not_count(tmp_path):
+    hangs = hangs_module()
+    # Peers of a rank that exited: they lost it, they did not time out.
+    lost = "Connection closed by peer [10.77.0.12]:23456"
+    write_records(tmp_path / "lost", {rank: flight_record(rank, 18, 18, lost) for rank in range(3)})
+    assert hangs.read_hang(str(tmp_path / "lost"), PLACEMENT, str(tmp_path / "s")) is None
+    # The frozen rank, continued by Slurm to end it, timed out too and wrote a record after the
+    # release: the records the release names are the evidence.
+    write_records(tmp_path / "fr", {rank: flight_record(rank, 18, 18, TIMEOUT)
+                                    for rank in range(4)})
+    hangs.release(str(tmp_path / "fr"), [0, 1, 2])
+    (tmp_path / "stack-rank3.txt").write_text(
+        'Process 7: python train.py\nThread 7 (idle): "MainThread"\n    step (train.py:9)\n'
+        'Thread 8 (idle): "tqdm_monitor"\n    wait (threading.py:331)\n')
+    hang = hangs.read_hang(str(tmp_path / "fr"), PLACEMENT, str(tmp_path / "stack-rank"))
+    assert hang.culprits == [3]
+    assert hang.stacks == {3: ['Thread 7 (idle): "MainThread"', "    step (train.py:9)"]}
+
+
+def test_a_step_runs_its_stack_reader_in_its_own_image():
+    hangs = hangs_module()
+    step = ["srun", "--label", "singularity", "exec", "-B", "/pfs,/x:/runscripts", "img.sif",
+            "/runscripts/run.sh", "python", "train.py"]
+    assert hangs.in_image(step) == (["singularity", "exec", "-B", "/pfs,/x:/runscripts",
+                                     "img.sif"], "/runscripts")
+    assert hangs.in_image(["srun", "/opt/xs/runscripts/run-profile.sh", "python"]) == (
+        [], "/opt/xs/runscripts")
+    assert hangs.in_image(["srun", "python", "train.py"]) is None

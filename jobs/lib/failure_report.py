@@ -221,9 +221,10 @@ def first_blame_per_node(blames):
 
 # ---- the report -------------------------------------------------------------------------------
 
-def report_lines(log, blames, placement, failed_nodes):
-    """A node failure comes first when srun saw one, with the ranks it took along; the ranks that
-    ended after it are knock-on."""
+def report_lines(log, blames, placement, failed_nodes, hang=None):
+    """A node failure comes first when srun saw one, with the ranks it took along, then a hang
+    (the ranks that never joined a collective others timed out in: jobs/lib/hangs.py), then
+    srun's first failed task; the ranks that ended after it are knock-on."""
     first = log.first_exit()
     knock_on = list(log.exits)
     failed_ranks = {rank for task_exit in log.exits for rank in task_exit.ranks}
@@ -234,6 +235,13 @@ def report_lines(log, blames, placement, failed_nodes):
         yield (f"first failure: node {', '.join(log.node_failures)} failed (srun: Node failure)"
                f"{with_ranks}")
         quiet = [rank for rank in quiet if rank not in lost]
+    elif hang is not None:
+        yield from hang_lines(hang, log, placement)
+        # The hung ranks' own end (srun killed them) is part of the first failure.
+        knock_on = [TaskExit(task_exit.node, others, task_exit.how) for task_exit in knock_on
+                    for others in [[rank for rank in task_exit.ranks
+                                    if rank not in hang.culprits]] if others]
+        quiet = [rank for rank in quiet if rank not in hang.culprits]
     elif first is not None:
         knock_on.remove(first)
         yield f"first failure: {first.describe()}"
@@ -252,14 +260,34 @@ def report_lines(log, blames, placement, failed_nodes):
         yield f"knock-on: {count} rank{plural} ended after it: " + "; ".join(parts)
     for blame in blames:
         yield f"blame: {blame.node}: {blame.reason}"
-    if not blames:
+    if blames:
+        return
+    if hang is not None:
+        yield ("blame: no node (a hang names a rank; its node only when it is down, a bad-node "
+               "pattern names it, or it hung in the attempt before: docs/FAILURES.md)")
+    else:
         yield "blame: no node (no bad-node pattern matched and no node went down)"
 
 
-def report(log_path, nodes_text, tasks_per_node, node_states, patterns):
+def hang_lines(hang, log, placement):
+    """The hung ranks, the collective they never joined, and what the first was doing: its
+    Python stack, or else its last lines."""
+    nodes = sorted({placement.get(rank, "?") for rank in hang.culprits})
+    them = "it" if len(hang.culprits) == 1 else "them"
+    yield (f"first failure: {rank_words(hang.culprits)} on {', '.join(nodes)}: hung: "
+           f"{rank_words(hang.waiters)} timed out in {hang.what()} waiting for {them}")
+    culprit = hang.culprits[0]
+    for text in hang.stacks.get(culprit) or log.by_rank.get(culprit, []):
+        yield f"  {culprit}: {text}"
+
+
+def report(log_path, nodes_text, tasks_per_node, node_states, patterns, hang=None,
+           hung_before=None):
     """(the report's lines, the nodes it blames) for the step whose srun --label output is in
     LOG_PATH, on the job's nodes NODES_TEXT (a hostlist) laid out as TASKS_PER_NODE
-    (SLURM_TASKS_PER_NODE), NODE_STATES as `sinfo -N -h -o '%N %T'` printed them after it."""
+    (SLURM_TASKS_PER_NODE), NODE_STATES as `sinfo -N -h -o '%N %T'` printed them after it. HANG:
+    what the flight records show (jobs/lib/hangs.py); HUNG_BEFORE: the nodes a hang named in the
+    job's attempt before this one."""
     nodes = list(hostlist.expand(nodes_text))
     placement = hostlist.block_placement(nodes, tasks_per_node)
     with open(log_path, errors="replace") as handle:
@@ -267,6 +295,16 @@ def report(log_path, nodes_text, tasks_per_node, node_states, patterns):
     failed_nodes = [node for text in log.node_failures for node in job_nodes_named(text, nodes)]
     node_failures = [Blame(node, "srun: node failure during the step") for node in failed_nodes]
     blames = first_blame_per_node(node_failures + state_blames(node_states, nodes)
-                                  + pattern_blames(log, patterns, nodes, placement))
-    lines = list(report_lines(log, blames, placement, set(failed_nodes)))
+                                  + pattern_blames(log, patterns, nodes, placement)
+                                  + repeated_hang_blames(hang, placement, hung_before or []))
+    lines = list(report_lines(log, blames, placement, set(failed_nodes), hang))
     return lines, [blame.node for blame in blames]
+
+
+def repeated_hang_blames(hang, placement, hung_before):
+    """One hang is a rank's; the same node hanging in two attempts in a row is the node's."""
+    if hang is None:
+        return []
+    return [Blame(node, "a rank on it hung in this attempt and in the one before")
+            for node in sorted({placement.get(rank) for rank in hang.culprits})
+            if node in hung_before]

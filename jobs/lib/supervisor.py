@@ -34,6 +34,7 @@ import threading
 import time
 
 import failure_report
+import hangs
 from shared import hostlist, records
 
 STOP_SIGNALS = {signal.SIGUSR1: "USR1", signal.SIGTERM: "TERM"}
@@ -139,6 +140,23 @@ class JobRecords:
         except OSError:
             return 0
 
+    def last_hang_nodes(self):
+        """The nodes of the ranks that hung in the job's attempt before this one (the history's
+        last line, one JSON object a hang)."""
+        try:
+            with open(self.path("hangs")) as handle:
+                lines = [line for line in handle if line.strip()]
+            return json.loads(lines[-1])["nodes"] if lines else []
+        except (OSError, ValueError, KeyError):
+            return []
+
+    def add_hang(self, hang, placement):
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "run": self.run,
+                 "ranks": hang.culprits, "collective": hang.what(),
+                 "nodes": sorted({placement.get(rank, "?") for rank in hang.culprits})}
+        with open(self.path("hangs"), "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+
     def add_retry(self, nodes, why):
         with open(self.path("retries"), "a") as handle:
             handle.write("%s run %d: excluded %s after %s\n"
@@ -164,12 +182,14 @@ def stop_signals(stop_file):
 
 class Step:
     """CMD (the srun line) with its output going to the job's output as it comes and, copied, to
-    LOG, and with the stop signals passed on to it."""
+    LOG, with the stop signals passed on to it, and a watch for a hang (jobs/lib/hangs.py) whose
+    flight records go to the step's own directory, XSCALE_FR_DIR."""
 
     def __init__(self, command, log, stop_file):
         self.command, self.log, self.stop_file = command, log, stop_file
         self.proc = None
         self.forwarded = set()
+        self.fr_dir = step_file(log, ".fr")
 
     def run(self):
         for signum in STOP_SIGNALS:
@@ -181,7 +201,8 @@ class Step:
         # The launch time, for the trainers' start-up phases (docs/STARTUP.md), in bash's
         # EPOCHREALTIME form; only this step's environment holds it, so an srun typed later by
         # hand reports its launch as unknown rather than this step's.
-        env = dict(os.environ, XSCALE_LAUNCH_T="%.6f" % time.time())
+        env = dict(os.environ, XSCALE_LAUNCH_T="%.6f" % time.time(), XSCALE_FR_DIR=self.fr_dir)
+        os.makedirs(self.fr_dir, exist_ok=True)
         with open(self.log, "ab") as log:
             try:
                 self.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
@@ -196,7 +217,12 @@ class Step:
             # it on to.
             for name in sorted(set(stop_signals(self.stop_file))):
                 self.forward(getattr(signal, "SIG" + name))
+            watch = hangs.HangWatch(self.fr_dir, hangs.placement(os.environ), self.command,
+                                    step_file(self.log, ".stack-rank"))
+            watch.start()
             status = self.proc.wait()
+            watch.stop()
+            remove_if_empty(self.fr_dir)
             # The output ends with the step, unless a process it left behind holds the pipe:
             # then the log may miss that process's lines, not the step's.
             copier.join(COPY_DRAIN_S)
@@ -217,6 +243,18 @@ class Step:
             say("SIG%s received: the ranks save a checkpoint after this step and exit"
                 % STOP_SIGNALS[signum])
             self.proc.send_signal(signum)
+
+
+def step_file(log, suffix):
+    """The step's other records, named after its log: runR-stepS.fr/ and so on."""
+    return log[:-len(".log")] + suffix
+
+
+def remove_if_empty(directory):
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass  # it holds the flight records of a failed step
 
 
 def copy_output(pipe, log):
@@ -287,15 +325,20 @@ def report_failure(settings, job_records, state, step):
     states = node_states(nodes)
     with open(step["log"] + ".node-states", "w") as handle:
         handle.write(states)
+    hang = hangs.read_hang(step_file(step["log"], ".fr"), hangs.placement(env),
+                           step_file(step["log"], ".stack-rank"))
     try:
         lines, blamed = failure_report.report(step["log"], nodes,
                                               env.get("SLURM_TASKS_PER_NODE", ""), states,
-                                              settings.patterns)
+                                              settings.patterns, hang,
+                                              job_records.last_hang_nodes())
     except (OSError, hostlist.HostlistError) as error:
         say("error: no report: %s" % " ".join(str(error).split()))
         return
     for line in lines:
         say(line)
+    if hang is not None:
+        job_records.add_hang(hang, hangs.placement(env))
     if blamed:
         retry_without(settings, job_records, state, hostlist.compress(blamed),
                       "the failure above")

@@ -13,9 +13,12 @@ through `runtime` for everything else. Imports run one way, down this list:
     profiling   the PROFILE_STEPS window; staging: tarballs unpacked once per node
     accounting  sums over ranks, throughput, the loss log, XSCALE_RANK/XSCALE_SUMMARY lines
     dist        placement from run.sh's variables, device (torch.accelerator), backend, group
-    lifecycle   user errors, stop signals, shielded child processes, the clean exit
+    lifecycle   user errors, stop signals, shielded child processes, failure hooks, the exit
+    flight      a failed rank's flight record, for the step supervisor to name a hung rank
     startup     the start-up phases (launch, run.sh, imports, group, first step): stdlib only
     report      `python -m xscale.report JOB_OUTPUT`: a readable summary of a finished run
+    records, archive   the XSCALE_* line reader and staging's unpack-and-publish, which the
+                batch host's programs (jobs/lib/) load by path: Python 3.6, stdlib, no imports
 """
 
 from xscale import startup as _startup

@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import accounting, lifecycle, profiling, runtime, startup
+from xscale import accounting, flight, lifecycle, profiling, runtime, startup
 from xscale.dist import (
     DistContext,
     Placement,
@@ -40,8 +40,10 @@ def device_and_backend(placement: Placement) -> tuple[torch.device, str]:
 
 def context(placement: Placement, device: torch.device, backend: str | None) -> DistContext:
     """This rank's context, once Trainer's arguments have joined the group (accelerate does, as
-    TrainingArguments is built): the start-up's `group` moment (xscale.startup)."""
+    TrainingArguments is built): the start-up's `group` moment (xscale.startup). From here a
+    failed collective leaves its flight record, as in xscale.runtime.start."""
     startup.mark("group")
+    lifecycle.on_failure(flight.record_failure)
     return DistContext(rank=placement.rank, world_size=placement.world_size,
                        local_rank=placement.local_rank,
                        local_world_size=placement.local_world_size,

@@ -56,6 +56,16 @@ def error_line(prog: str, message: str) -> str:
     return f"{prog}: error: {message}"
 
 
+_failure_hooks: list[Callable[[BaseException], None]] = []
+
+
+def on_failure(hook: Callable[[BaseException], None]) -> None:
+    """Have `hook(error)` run when an exception other than a UserError ends the trainer, before
+    its traceback (xscale.flight's record of a failed collective)."""
+    if hook not in _failure_hooks:
+        _failure_hooks.append(hook)
+
+
 def run(main: Callable[[], int | None], prog: str) -> int:
     """Call `main()` and return its exit status; a UserError becomes one line on stderr and 2.
 
@@ -69,6 +79,10 @@ def run(main: Callable[[], int | None], prog: str) -> int:
         return USAGE_ERROR
     except SystemExit as exiting:
         return exit_status(exiting.code)
+    except Exception as error:
+        for hook in _failure_hooks:
+            hook(error)
+        raise
     return 0 if code is None else int(code)
 
 

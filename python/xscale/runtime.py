@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from xscale import accounting, data, lifecycle, profiling, startup
+from xscale import accounting, data, flight, lifecycle, profiling, startup
 from xscale.dist import DistContext, init_distributed
 
 # The summary's `seconds` run from here: the trainer's imports are done, nothing else is.
@@ -47,8 +47,10 @@ STOP_VOTE_EVERY = 10
 
 def start(prog: str, **options: Any) -> DistContext:
     """Catch the stop signals, then join the process group on this rank's device (options:
-    xscale.dist.init_distributed's). Signals first: the warning may come during start-up."""
+    xscale.dist.init_distributed's). Signals first: the warning may come during start-up. A
+    collective that fails from then on leaves this rank's flight record (xscale.flight)."""
     lifecycle.install_stop_handlers()
+    lifecycle.on_failure(flight.record_failure)
     ctx = init_distributed(**options)
     startup.mark("group")
     return ctx

@@ -1,0 +1,248 @@
+"""Which rank hung: the evidence torch's flight recorder leaves, read on the batch host.
+
+When a collective times out, every rank that waits in it writes its flight record into the
+step's XSCALE_FR_DIR (python/xscale/flight.py; torch's watchdog on NCCL and RCCL). A record holds,
+per process group, the last collective the rank enqueued and the last it completed: a rank that
+waits has enqueued one more than it completed. The rank that never joined that collective is the
+one with no record (a frozen process writes none: SIGSTOP, a GPU stuck in a kernel) or whose
+record stops short of it. That is read from the records themselves, not guessed from timing.
+
+While the step runs, HangWatch waits for the first record; once the records stop coming, it reads
+the Python stack of every rank that left none, with py-spy on its node (runscripts/lib/
+rank_stack.py, in the step's image, by `srun --overlap`), then lets the waiting ranks go:
+they wait for that, a bounded while, because Slurm ends the whole step, the hung rank with it, as
+soon as one of them exits.
+
+Standard library only, Python 3.6 and later: the batch host's system Python.
+"""
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import threading
+import time
+
+from shared import hostlist
+
+RECORD = re.compile(r"^rank(\d+)$")
+RELEASED = "released"  # python/xscale/flight.py waits for it
+POLL_S = 0.5
+SETTLE_S = 2.0   # no new record for this long: every rank that could write one has
+MAX_STACKS = 4   # a hang of many ranks (a whole node) is told by the first few
+STACK_TIMEOUT_S = 20
+STACK_LINES = 12
+TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
+
+
+def records(fr_dir):
+    """rank -> its flight record, for every record in FR_DIR (a partial one is not yet there)."""
+    found = {}
+    for name in sorted(os.listdir(fr_dir)) if os.path.isdir(fr_dir) else []:
+        match = RECORD.match(name)
+        if not match:
+            continue
+        try:
+            with open(os.path.join(fr_dir, name), "rb") as handle:
+                found[int(match.group(1))] = pickle.load(handle)
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError):
+            continue
+    return found
+
+
+# ---- while the step runs --------------------------------------------------------------------
+
+class HangWatch(threading.Thread):
+    """Started with the step, stopped when it ends. RANKS: rank -> node, the step's placement;
+    COMMAND: the step's command line, which says how to run a program in its image."""
+
+    def __init__(self, fr_dir, ranks, command, stacks_prefix):
+        super().__init__(daemon=True)
+        self.fr_dir, self.ranks, self.command = fr_dir, ranks, command
+        self.stacks_prefix = stacks_prefix
+        self.done = threading.Event()
+
+    def stop(self):
+        self.done.set()
+
+    def run(self):
+        seen = {}
+        while not seen:
+            if self.done.wait(POLL_S):
+                return
+            seen = records(self.fr_dir)
+        settled_at = time.monotonic()
+        while len(seen) < len(self.ranks) and time.monotonic() - settled_at < SETTLE_S:
+            if self.done.wait(POLL_S):
+                return
+            now = records(self.fr_dir)
+            if len(now) != len(seen):
+                seen, settled_at = now, time.monotonic()
+        job_step = next((record.get("xscale", {}).get("job_step") for record in seen.values()
+                         if record.get("xscale", {}).get("job_step")), None)
+        silent = [rank for rank in sorted(self.ranks) if rank not in seen][:MAX_STACKS]
+        if job_step:
+            for rank in silent:
+                self.save_stack(rank, job_step)
+        release(self.fr_dir, sorted(seen))
+
+    def save_stack(self, rank, job_step):
+        text = read_stack(self.command, self.ranks[rank], job_step, rank)
+        with open("%s%d.txt" % (self.stacks_prefix, rank), "w") as handle:
+            handle.write(text)
+
+
+def release(fr_dir, recorded):
+    """Let the waiting ranks go, noting whose records were there: once they exit, Slurm ends the
+    step, and a frozen rank it continues (SIGCONT before SIGTERM) may time out too and write a
+    record, late, that says nothing of what it did while frozen."""
+    with open(os.path.join(fr_dir, RELEASED), "w") as handle:
+        json.dump({"recorded": recorded}, handle)
+
+
+def recorded_before_release(fr_dir):
+    """The ranks whose records came before the release; None without one (no watch ran)."""
+    try:
+        with open(os.path.join(fr_dir, RELEASED)) as handle:
+            return set(json.load(handle)["recorded"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def in_image(command):
+    """(the part of the step's command line that runs a program in its image, `singularity exec
+    [OPTIONS] IMAGE` or apptainer's, empty without one; runscripts/ as that program sees it: where
+    the step's run.sh or run-profile.sh is), or None when the step runs neither."""
+    for index, word in enumerate(command):
+        if os.path.basename(word) in ("run.sh", "run-profile.sh"):
+            starts = [at for at in range(index)
+                      if os.path.basename(command[at]) in ("singularity", "apptainer")]
+            prefix = command[starts[0]:index] if starts else []
+            return prefix, os.path.dirname(word)
+    return None
+
+
+def read_stack(command, node, job_step, rank):
+    """RANK's Python stack, read on NODE while the step still runs; or why not, in one line."""
+    image = in_image(command)
+    if image is None:
+        return "no stack: the step runs no runscripts/run.sh to find py-spy by\n"
+    prefix, runscripts = image
+    reader = ["srun", "--overlap", "--nodelist=" + node, "--nodes=1", "--ntasks=1",
+              "--kill-on-bad-exit=0"] + prefix + [
+        "python3", os.path.join(runscripts, "lib", "rank_stack.py"), job_step, str(rank)]
+    try:
+        proc = subprocess.run(reader, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              universal_newlines=True, timeout=STACK_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as error:
+        return "no stack: %s\n" % error
+    return proc.stdout if proc.returncode == 0 else "no stack: %s\n" % last_line(proc.stdout)
+
+
+def last_line(text):
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "the reader failed"
+
+
+# ---- after the step: the evidence -----------------------------------------------------------
+
+class Hang:
+    """A collective that some ranks waited in until they timed out, and the ranks that never
+    joined it."""
+
+    def __init__(self, collective, seq, culprits, waiters, stacks):
+        self.collective, self.seq = collective, seq
+        self.culprits, self.waiters, self.stacks = culprits, waiters, stacks
+
+    def what(self):
+        return "%s #%d" % (self.collective, self.seq)
+
+
+def read_hang(fr_dir, ranks, stacks_prefix):
+    """The Hang the step's flight records show, or None: no rank timed out in a collective."""
+    found = records(fr_dir)
+    in_time = recorded_before_release(fr_dir)
+    if in_time is not None:
+        found = {rank: record for rank, record in found.items() if rank in in_time}
+    waiting = {}  # rank -> (process group, the collective it waits in)
+    for rank, record in found.items():
+        if not timed_out(record):
+            continue
+        for group, status in (record.get("pg_status") or {}).items():
+            waiting.setdefault(rank, (group, waited_in(status)))
+    if not waiting:
+        return None
+    group, seq = max(waiting.values(), key=lambda spot: list(waiting.values()).count(spot))
+    waiters = sorted(rank for rank, spot in waiting.items() if spot == (group, seq))
+    members = group_members(found[waiters[0]], group, ranks)
+    culprits = sorted(rank for rank in members if rank not in found
+                      or short_of(found[rank], group, seq))
+    if not culprits:
+        return None
+    return Hang(collective_name(found[waiters[0]], group, seq), seq, culprits, waiters,
+                {rank: read_stack_file("%s%d.txt" % (stacks_prefix, rank)) for rank in culprits})
+
+
+def waited_in(status):
+    """The collective a timed-out rank waited in: NCCL's first one not completed; gloo counts
+    even a timed-out one as completed, so there it is the last one enqueued (a DDP bucket queued
+    after the stuck one makes that a later number, but the same step)."""
+    enqueued = status.get("last_enqueued_collective", -1)
+    completed = status.get("last_completed_collective", -1)
+    return completed + 1 if enqueued > completed else enqueued
+
+
+def timed_out(record):
+    """torch's watchdog writes a record on a timeout only; xscale's says what the error was."""
+    own = record.get("xscale")
+    return own is None or bool(TIMED_OUT.search(own.get("error", "")))
+
+
+def short_of(record, group, seq):
+    return (record.get("pg_status") or {}).get(group, {}).get("last_enqueued_collective", -1) < seq
+
+
+def group_members(record, group, ranks):
+    """The ranks of the process group: every rank for the default one (id 0), else what the
+    record's pg_config lists ("[0, 1]"), else every rank."""
+    if str(group) != "0":
+        for config in (record.get("pg_config") or {}).values():
+            try:
+                members = json.loads(config.get("ranks", ""))
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(members, list) and len(members) < len(ranks):
+                return members
+    return sorted(ranks)
+
+
+def collective_name(record, group, seq):
+    for entry in record.get("entries") or []:
+        if entry.get("collective_seq_id") == seq and str(entry.get("pg_id")) == str(group):
+            return entry.get("profiling_name") or "a collective"
+    return "a collective"
+
+
+def read_stack_file(path):
+    """A saved stack's first thread, the main one (py-spy's header, which names the process,
+    and the helper threads' stacks are left to the file), at most STACK_LINES lines; or the one
+    line that says why there is none."""
+    try:
+        with open(path) as handle:
+            lines = [line.rstrip() for line in handle if line.strip()]
+    except OSError:
+        return []
+    threads = [at for at, line in enumerate(lines) if line.startswith("Thread ")] + [len(lines)]
+    if len(threads) == 1:
+        return lines[:STACK_LINES]
+    return lines[threads[0]:threads[1]][:STACK_LINES]
+
+
+def placement(env):
+    """rank -> node of the step, from the job's layout (Slurm's default block distribution)."""
+    try:
+        nodes = list(hostlist.expand(env.get("SLURM_JOB_NODELIST", "")))
+    except hostlist.HostlistError:
+        return {}
+    return hostlist.block_placement(nodes, env.get("SLURM_TASKS_PER_NODE", ""))
