@@ -38,7 +38,7 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerBase,
     TrainingArguments,
 )
-from xscale import hf, lifecycle, runtime  # noqa: E402
+from xscale import hf, lifecycle, runtime, stragglers  # noqa: E402
 from xscale.dist import read_placement, timeout_from_env  # noqa: E402
 from xscale.lifecycle import UserError  # noqa: E402
 
@@ -276,7 +276,9 @@ def train(args: argparse.Namespace) -> int:
     if ctx.is_main and args.resume and checkpoint is None:
         print(f"No checkpoint in {output_dir} yet: starting from {model_path}", flush=True)
 
-    record, stop = hf.RunRecord(ctx.device), hf.StopOnSignal()
+    # Every rank's own work per step, compared on rank 0 at each stop vote (xscale.stragglers).
+    watch = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size)
+    record, stop = hf.RunRecord(ctx.device), hf.StopOnSignal(watch=watch)
     trainer = hf.XscaleTrainer(
         model=model,
         args=training_args,

@@ -87,7 +87,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> int:
                                                is_main=ctx.is_main, keep=args.keep_checkpoints,
                                                arch=args.arch),
                 tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"),
-                warmup_steps=min(5, max(1, (end_step or 10) // 10)))
+                warmup_steps=min(5, max(1, (end_step or 10) // 10)), model=model)
     loop.log.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes, "
                      f"{len(train_set)} training images); {ctx.world_size} ranks on "
                      f"{ctx.nnodes} nodes, {ctx.device.type}, {ctx.backend}; {batch_size} images "

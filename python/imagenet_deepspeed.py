@@ -94,7 +94,7 @@ def train(args: argparse.Namespace, ctx: DistContext, config: dict) -> int:
                 checkpoint_every=args.checkpoint_every,
                 save=ds.saver(engine, args.output_dir, args.keep_checkpoints),
                 tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"),
-                warmup_steps=min(5, max(1, (end_step or 10) // 10)))
+                warmup_steps=min(5, max(1, (end_step or 10) // 10)), model=engine)
     loop.log.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes); "
                      f"{ctx.world_size} ranks, {ctx.device.type}, {ctx.backend}; ZeRO stage "
                      f"{engine.zero_optimization_stage()}, {dtype}; {batch_size} images per rank, "

@@ -195,7 +195,8 @@ def train(args: argparse.Namespace, ctx: DistContext, folder: Path) -> int:
                 accumulation=args.grad_accum_steps, checkpoint_every=args.checkpoint_every,
                 save=checkpoint.training_saver(args.output_dir, model, optimizer,
                                                is_main=ctx.is_main, keep=args.keep_checkpoints),
-                tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"))
+                tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"),
+                model=model)
     if resumed is not None:
         loop.log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
     loop.log.message(f"{PROG}: {ctx.world_size} ranks on {ctx.nnodes} nodes, {ctx.device.type}, "

@@ -24,6 +24,7 @@ import pytest
 from tests.conftest import REPO, tool_env
 from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import rank_records, tagged_records
+from tests.helpers import summary as summary_of
 from tests.test_jobs import VIRTUAL, virtual_env
 
 THROWAWAY_USER = "xscale-other"
@@ -458,6 +459,39 @@ def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):
     assert first != second
     assert f"not retrying job {job_id} without {second}: 1 retries already" in text
     assert (tmp_path / "records" / "retries").read_text().count("excluded") == 1
+
+
+# --- a straggler: slow, alive, and named while the run goes on ---------------------------------
+
+def test_a_slowed_node_is_named_a_straggler_and_the_healthy_ones_never(cluster, mnist_data,
+                                                                      tmp_path):
+    """4 nodes x 1 rank with nid004's processes stopped 90% of the time (fault.sh slow): nothing
+    fails, every step waits for rank 3, and rank 0 names it within a few log intervals (every 10
+    steps here, the first one warm-up); nid001-nid003 are never named. Healthy runs name nobody
+    (tests/test_jobs.py's runs assert it)."""
+    steps = 120
+    output = tmp_path / "job.out"
+    cluster.fault("slow", "nid004", "90")
+    try:
+        job_id = cluster.submit(MNIST_JOB, output=output, sbatch_options=(
+            f"--chdir={REPO}", "--nodes=4", "--ntasks-per-node=1"), env={
+            "DATA": str(mnist_data), "OUTPUT_DIR": str(tmp_path / "out"),
+            "MAX_STEPS": str(steps), "EPOCHS": "100000", "OMP_NUM_THREADS": "1"})
+        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 600)
+    finally:
+        cluster.fault("heal", "nid004")
+    text = output.read_text()
+    assert state == "COMPLETED", text[-3000:]
+    named = re.findall(r"xscale: straggler: rank (\d+) on (\S+): ([\d.]+)x the median rank's "
+                       r"work per step over the last (\d+) steps", text)
+    assert [(rank, node) for rank, node, _, _ in named] == [("3", "nid004")], text[-3000:]
+    # The progress bar's step just before the line: when it came.
+    at = re.findall(rf"(\d+)/{steps} ", text[:text.index("xscale: straggler:")])
+    record = summary_of(text)
+    assert record["straggler"]["rank"] == 3 and record["straggler"]["node"] == "nid004"
+    assert record["straggler"]["factor"] >= 2, record["straggler"]
+    print(f"nid004 slowed 90%: named at {named[0][2]}x after step {at[-1] if at else '?'} "
+          f"(log every 10 steps); over the run {record['straggler']['factor']}x")
 
 
 # --- atomic checkpoints ----------------------------------------------------------------------

@@ -176,7 +176,7 @@ def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_en
     from xscale import hf
 
     votes = []
-    monkeypatch.setattr(hf.runtime, "vote_to_stop", lambda: votes.append(1) or True)
+    monkeypatch.setattr(hf.runtime, "vote_to_stop", lambda **_: votes.append(1) or True)
     callback = hf.StopOnSignal(every=5)
     control = callback.on_step_end(None, TrainerState(global_step=7, max_steps=100),
                                    TrainerControl())
@@ -187,7 +187,7 @@ def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_en
     assert callback.stopped_at == 10
     # No signal anywhere: the last step is saved (the runtime's cadence), training goes on to
     # its natural end.
-    monkeypatch.setattr(hf.runtime, "vote_to_stop", lambda: False)
+    monkeypatch.setattr(hf.runtime, "vote_to_stop", lambda **_: False)
     callback = hf.StopOnSignal(every=5)
     control = callback.on_step_end(None, TrainerState(global_step=100, max_steps=100),
                                    TrainerControl())

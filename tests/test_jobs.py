@@ -462,6 +462,8 @@ def submit(cluster, path: Path, tmp_path: Path, nodes: int, *args: str,
 
 
 def check_summary(output: str, trainer: str, world_size: int) -> dict:
+    # A healthy run: no rank's own work is twice the median's (xscale.stragglers).
+    assert "xscale: straggler:" not in output, output[-3000:]
     record = summary(output)
     assert str(record["trainer"]).startswith(trainer), record
     assert record["world_size"] == world_size

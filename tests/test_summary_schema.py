@@ -27,7 +27,7 @@ TYPES = {
     "accumulation": int, "samples_per_s": float, "samples_per_s_per_rank": float,
     "tokens_per_s": (float, None), "loss_first": float, "loss_last": float, "seconds": float,
     "train_seconds": float, "stopped_early": bool, "signal": (str, None),
-    "checkpoint": (str, None), "startup": dict,
+    "checkpoint": (str, None), "startup": dict, "straggler": (dict, None),
 }
 
 
@@ -83,6 +83,10 @@ def test_every_trainer_writes_the_one_summary_schema(commands):
         assert (record["tokens_per_s"] is not None) == (trainer == "gpt_neo_imdb"), trainer
         assert record["global_batch_size"] == record["batch_size"] * record["accumulation"]
         check_startup(trainer, record["startup"])
+        # One rank is its own median: the slowest, at 1.0x (None: no interval after the warm-up).
+        straggler = record["straggler"]
+        assert straggler is None or (straggler["rank"], straggler["factor"]) == (0, 1.0), \
+            (trainer, straggler)
 
 
 def check_startup(trainer: str, phases: dict) -> None:

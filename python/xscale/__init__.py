@@ -11,6 +11,7 @@ through `runtime` for everything else. Imports run one way, down this list:
     checkpoint  atomic checkpoints, found by step; resume and save for plain DDP
     data        resumable samplers and DataLoaders with shielded workers
     profiling   the PROFILE_STEPS window; staging: tarballs unpacked once per node
+    stragglers  each rank's own work per step, compared at every log interval: the slow rank
     accounting  sums over ranks, throughput, the loss log, XSCALE_RANK/XSCALE_SUMMARY lines
     dist        placement from run.sh's variables, device (torch.accelerator), backend, group
     lifecycle   user errors, stop signals, shielded child processes, failure hooks, the exit

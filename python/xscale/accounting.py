@@ -46,25 +46,33 @@ SUMMARY_FIELDS = (
     "start_step", "steps", "batch_size", "global_batch_size", "accumulation",
     "samples_per_s", "samples_per_s_per_rank", "tokens_per_s",
     "loss_first", "loss_last", "seconds", "train_seconds",
-    "stopped_early", "signal", "checkpoint", "startup",
+    "stopped_early", "signal", "checkpoint", "startup", "straggler",
 )
 
 
 # ---- sums over ranks -----------------------------------------------------------------------
 
 
-def all_reduce_sums(values: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
-    """Sum each named value over all ranks (one all_reduce, in float64).
+def all_reduce_sums(values: Mapping[str, float | torch.Tensor]) -> dict[str, Any]:
+    """Sum each named value over all ranks (one all_reduce, in float64): a number, or a 1-D
+    tensor summed element by element and returned as a list (a world-size vector that each rank
+    fills at its own index comes back with every rank's value).
 
-    Every rank must pass the same names: they are reduced in sorted order.
+    Every rank must pass the same names and sizes: they are reduced in sorted order.
     """
     names = sorted(values)
     device = collective_device()
-    packed = torch.stack([torch.as_tensor(values[name], dtype=torch.float64).detach().to(device)
-                          .reshape(()) for name in names]) if names else torch.zeros(0)
+    parts = [torch.as_tensor(values[name], dtype=torch.float64).detach().to(device)
+             for name in names]
+    packed = torch.cat([part.reshape(-1) for part in parts]) if parts else torch.zeros(0)
     if names and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-    return dict(zip(names, packed.tolist(), strict=True))
+    flat, sums, offset = packed.tolist(), {}, 0
+    for name, part in zip(names, parts, strict=True):
+        size = part.numel()
+        sums[name] = flat[offset] if part.dim() == 0 else flat[offset:offset + size]
+        offset += size
+    return sums
 
 
 class SumMeter:

@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import accounting, flight, lifecycle, profiling, runtime, startup
+from xscale import accounting, flight, lifecycle, profiling, runtime, startup, stragglers
 from xscale.dist import (
     DistContext,
     Placement,
@@ -84,16 +84,21 @@ class StopOnSignal(TrainerCallback):
     exits 0. The last step is saved too, as in every xscale trainer (Trainer itself saves only
     every save_steps)."""
 
-    def __init__(self, every: int = runtime.STOP_VOTE_EVERY) -> None:
+    def __init__(self, every: int = runtime.STOP_VOTE_EVERY,
+                 watch: stragglers.StragglerWatch | None = None) -> None:
         self.every = every
         self.stopped_at: int | None = None
+        self.watch = watch  # its vector travels in the vote (xscale.stragglers)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
         last = state.global_step >= state.max_steps
         if last:
             control.should_save = True
-        if (last or state.global_step % self.every == 0) and runtime.vote_to_stop():
+        if self.watch is not None:
+            self.watch.step()
+        if ((last or state.global_step % self.every == 0)
+                and runtime.vote_to_stop(watch=self.watch)):
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
@@ -167,7 +172,8 @@ def write_summary(ctx: DistContext, model: torch.nn.Module, trainer: str, starte
         loss_last=record.losses[-1] if record.losses else None,
         stopped=stop.stopped_at is not None, checkpoint=checkpoint,
         batch_size=args.per_device_train_batch_size,
-        accumulation=args.gradient_accumulation_steps, counts_tokens=True, **own)
+        accumulation=args.gradient_accumulation_steps, counts_tokens=True,
+        stragglers=stop.watch, **own)
 
 
 def checkpoint_written(output_dir: str, record: RunRecord) -> str | None:

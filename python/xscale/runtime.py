@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from xscale import accounting, data, flight, lifecycle, profiling, startup
+from xscale import accounting, data, flight, lifecycle, profiling, startup, stragglers
 from xscale.dist import DistContext, init_distributed
 
 # The summary's `seconds` run from here: the trainer's imports are done, nothing else is.
@@ -64,14 +64,18 @@ def first_step_done(device: torch.device) -> None:
     startup.mark("first_step")
 
 
-def vote_to_stop(reduce: Callable[..., dict[str, float]] | None = None) -> bool:
+def vote_to_stop(reduce: Callable[..., dict[str, Any]] | None = None,
+                 watch: stragglers.StragglerWatch | None = None) -> bool:
     """Whether any rank received a stop signal: a collective, all ranks at the same step.
-    `reduce(stop=flag)` sums the flag over ranks along with other sums (TrainLog.flush); by
-    default it is one all_reduce of one number."""
-    flag = 0.0 if lifecycle.stop_received() is None else 1.0
-    if reduce is None:
-        return accounting.all_reduce_sums({"stop": flag})["stop"] > 0
-    return reduce(stop=flag)["stop"] > 0
+    `reduce(stop=flag, ...)` sums the flag over ranks along with other sums (TrainLog.flush); by
+    default it is one all_reduce. The straggler watch's vector travels in the same one."""
+    extra: dict[str, Any] = {"stop": 0.0 if lifecycle.stop_received() is None else 1.0}
+    if watch is not None:
+        extra["work"] = watch.contribution()
+    sums = accounting.all_reduce_sums(extra) if reduce is None else reduce(**extra)
+    if watch is not None:
+        watch.observe(sums["work"])
+    return sums["stop"] > 0
 
 
 def stop_message(prog: str, step: int, saved: object | None) -> str:
@@ -85,14 +89,16 @@ class Loop:
     """This rank's training loop bookkeeping, from `start_step` to `end_step` (None: unbounded).
 
     save(step, epoch) writes a checkpoint (a collective where the trainer's checkpoint is) and
-    returns where; None when the run has no output directory.
+    returns where; None when the run has no output directory. With `model`, its own work per
+    step is watched for a straggler (xscale.stragglers).
     """
 
     def __init__(self, ctx: DistContext, trainer: str, prog: str, *, start_step: int,
                  end_step: int | None, per_epoch: int, sync_every: int,
                  save: Callable[[int, int], Path] | None, checkpoint_every: int = 0,
                  resumed: bool = False, accumulation: int = 1, batch_size: int,
-                 tensorboard_dir: Path | None = None, warmup_steps: int = 1) -> None:
+                 tensorboard_dir: Path | None = None, warmup_steps: int = 1,
+                 model: nn.Module | None = None) -> None:
         self.ctx, self.trainer, self.prog = ctx, trainer, prog
         self.started = STARTED
         self.start_step = self.step = start_step
@@ -110,6 +116,8 @@ class Loop:
                                        total_steps=end_step, log_every=sync_every,
                                        tensorboard_dir=tensorboard_dir, desc=trainer)
         self.window = profiling.window_from_env(ctx.rank, ctx.device)
+        self.stragglers = None if model is None else stragglers.watch(
+            model, ctx.device, ctx.rank, ctx.world_size, say=self.log.message)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -117,9 +125,16 @@ class Loop:
                 epochs: int | None = None) -> Iterator[tuple[int, Any]]:
         """(epoch, micro-batch) from the resumed position until the end step or a stop."""
         self.meter.start()
-        for step_index, epoch, batch in data.train_batches(
-                loader, sampler, start_step=self.start_step, epochs=epochs,
-                max_steps=self.end_step, accumulation=self.accumulation):
+        batches = data.train_batches(loader, sampler, start_step=self.start_step, epochs=epochs,
+                                     max_steps=self.end_step, accumulation=self.accumulation)
+        while True:
+            waited = time.perf_counter()
+            try:
+                step_index, epoch, batch = next(batches)
+            except StopIteration:
+                return
+            if self.stragglers is not None:  # the wait for a batch is this rank's own work
+                self.stragglers.clock.add_wait(time.perf_counter() - waited)
             self.window.step(step_index)
             self.epoch = epoch
             yield epoch, batch
@@ -147,6 +162,8 @@ class Loop:
             return
         self._micro = 0
         self.step += 1
+        if self.stragglers is not None:
+            self.stragglers.step()
         self.meter.step(samples * self.accumulation, tokens)
         if self.step == self.start_step + 1:
             first_step_done(self.ctx.device)
@@ -164,7 +181,7 @@ class Loop:
 
     def _vote(self) -> None:
         self._voted_at = self.step
-        if vote_to_stop(self.log.flush):
+        if vote_to_stop(self.log.flush, self.stragglers):
             self.stopped = True
 
     def _save(self) -> None:
@@ -194,14 +211,15 @@ class Loop:
                       loss_first=self.log.loss_first, loss_last=self.log.loss_last,
                       stopped=self.stopped, checkpoint=self.saved_path,
                       batch_size=self.batch_size, accumulation=self.accumulation,
-                      counts_tokens=False, **own)
+                      counts_tokens=False, stragglers=self.stragglers, **own)
 
 
 def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: float,
                   start_step: int, steps: int, meter: accounting.Throughput,
                   loss_first: float | None, loss_last: float | None, stopped: bool,
                   checkpoint: object | None, batch_size: int, accumulation: int,
-                  counts_tokens: bool, **own: Any) -> None:
+                  counts_tokens: bool, stragglers: stragglers.StragglerWatch | None = None,
+                  **own: Any) -> None:
     """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer."""
     rates = meter.reduced()
     node, phases = accounting.node_name(), startup.rank_phases()
@@ -228,6 +246,7 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "signal": lifecycle.signal_name(lifecycle.stop_received()),
         "checkpoint": checkpoint,
         "startup": started_up,
+        "straggler": None if stragglers is None else stragglers.summary(),
     }
     accounting.emit(**accounting.summary_fields(common, own))
 

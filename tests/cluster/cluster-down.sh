@@ -68,8 +68,10 @@ remove_made_devices() {
 main() {
   local node
   (( EUID == 0 )) || xsc_die "the virtual cluster is root's; run cluster-down as root"
-  # slurmd before slurmctld, munged last: each daemon outlives the ones that talk to it.
+  # fault.sh's throttlers first; slurmd before slurmctld, munged last: each daemon outlives
+  # the ones that talk to it.
   for node in "${XSC_NODES[@]}"; do
+    stop_pidfile "$(xsc_slow_pidfile "$node")"
     stop_pidfile "$(xsc_slurmd_pidfile "$node")"
   done
   stop_pidfile "$XSC_STATE/slurmctld.pid"

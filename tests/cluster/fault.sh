@@ -21,6 +21,8 @@ Usage: tests/cluster/fault.sh VERB NODE [ARGS]
   kill-slurmd NODE     SIGKILL NODE's slurmd; its running tasks live on, as after a daemon crash
   crash NODE           SIGKILL every process on NODE (slurmd, job steps, ranks): a node failure
   start-slurmd NODE    start NODE's slurmd again (after kill-slurmd or crash)
+  slow NODE [PERCENT]  stop NODE's processes (its slurmd spared) PERCENT% of every 10 ms, default
+                       60, until heal: a node that slows every step down and never fails
   drain NODE REASON    drain NODE with REASON, as an administrator would
   heal [NODE...]       undo all of the above on the nodes (default: every node), resume them and
                        wait until they are idle
@@ -65,11 +67,35 @@ crash() {
   return 0
 }
 
+# slow NODE PERCENT: tests/cluster/throttle.py, detached, its pid in the node's directory.
+slow() {
+  local node=$1 percent=${2:-60} slurmd=""
+  if [[ ! $percent =~ ^[0-9]{1,2}$ ]] || (( percent < 1 || percent > 95 )); then
+    xsc_die "slow: PERCENT must be a whole number from 1 to 95, not '$percent'"
+  fi
+  unslow "$node"
+  [[ -s $(xsc_slurmd_pidfile "$node") ]] && read -r slurmd <"$(xsc_slurmd_pidfile "$node")"
+  setsid python3 "${BASH_SOURCE[0]%/*}/throttle.py" "$node" "$percent" "$slurmd" \
+    </dev/null >/dev/null 2>&1 &
+  printf '%s\n' "$!" >"$(xsc_slow_pidfile "$node")"
+}
+
+# Stop the throttler; it continues whatever it had stopped as it ends.
+unslow() {
+  local pidfile pid
+  pidfile=$(xsc_slow_pidfile "$1")
+  [[ -s $pidfile ]] || return 0
+  read -r pid <"$pidfile"
+  kill -TERM "$pid" 2>/dev/null || true
+  rm -f "$pidfile"
+}
+
 heal() {
   local node
   (( $# )) || set -- "${XSC_NODES[@]}"
   for node in "$@"; do
     need_node "$node"
+    unslow "$node"
     ip -n "$node" link set hsn0 up
     free_tmp "$node"
     xsc_start_slurmd "$node"
@@ -106,6 +132,7 @@ main() {
     kill-slurmd) need_node "${1:-}"; kill_slurmd "$1" ;;
     crash) need_node "${1:-}"; crash "$1" ;;
     start-slurmd) need_node "${1:-}"; xsc_start_slurmd "$1" ;;
+    slow) need_node "${1:-}"; slow "$1" "${2:-60}" ;;
     drain)
       need_node "${1:-}"
       [[ -n ${2:-} ]] || xsc_die "drain needs a reason (fault.sh drain NODE REASON)"

@@ -43,6 +43,9 @@ xsc_node_addr() {
 
 xsc_node_dir() { printf '%s/nodes/%s\n' "$XSC_STATE" "$1"; }
 
+# The pid file of fault.sh's throttler of a slowed node (fault.sh slow).
+xsc_slow_pidfile() { printf '%s/slow.pid\n' "$(xsc_node_dir "$1")"; }
+
 # The host's end of the node's veth pair (at most 15 characters: a kernel limit).
 xsc_host_link() { printf 'xs-%s\n' "$1"; }
 

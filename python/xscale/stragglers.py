@@ -1,0 +1,177 @@
+"""Stragglers: the rank that makes every step as slow as itself, named while the run goes on.
+
+In a synchronous step every rank waits for the slowest one in the gradient all-reduce, so the
+step time is the same everywhere and names nobody. What differs is each rank's own work: the
+wait for its batch and its forward pass, which no collective enters (DDP's gradient all-reduce
+runs inside the backward, where a fast rank waits for a slow one; its buffer broadcast comes
+before the inner module's forward starts). Every rank times those, on its device without a host
+sync of its own (events on a GPU, read at the log interval, when the loss reduction synchronises
+anyway; the clock on a CPU), and sends its seconds per step at its own index of a world-size
+vector, inside the all-reduce the runtime already does at each log interval: no collective of its
+own. Rank 0 compares each rank's work over the last `intervals` intervals with the median
+rank's, and names a rank at `factor` times the median or more, once:
+
+    xscale: straggler: rank 3 on nid002: 2.6x the median rank's work per step over the last 30 steps
+
+The factor, 2 by default (XSCALE_STRAGGLER_FACTOR), stays clear of what healthy ranks differ by
+where they share cores (up to 1.6x over 30 steps on the test bed, four ranks on two cores; ranks
+that each have their own GPU or node should differ far less, not measured here) and flags a rank
+that halves the pace of every step at its compute-bound part; on a quiet machine a lower one
+(1.3) catches milder stragglers. Three intervals together (XSCALE_STRAGGLER_INTERVALS) keep one interval's hiccup (a
+checkpoint, a page-cache miss) from naming anyone; the first interval, one step of warm-up, is
+not counted. The summary's `straggler` field holds the slowest rank of the whole run, its node
+and its factor. A median needs a healthy majority: with half the ranks on one slow node of two,
+nobody is twice the median, and the summary's factor still shows the imbalance.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from xscale import accounting
+from xscale.lifecycle import UserError
+
+FACTOR_ENV, INTERVALS_ENV = "XSCALE_STRAGGLER_FACTOR", "XSCALE_STRAGGLER_INTERVALS"
+DEFAULT_FACTOR, DEFAULT_INTERVALS = 2.0, 3
+
+
+def settings(environ: dict[str, str] | None = None) -> tuple[float, int]:
+    """(factor, intervals) from the environment; a bad value is a UserError, before training."""
+    env = os.environ if environ is None else environ
+    raw_factor = env.get(FACTOR_ENV, str(DEFAULT_FACTOR))
+    raw_intervals = env.get(INTERVALS_ENV, str(DEFAULT_INTERVALS))
+    try:
+        factor = float(raw_factor)
+    except ValueError:
+        factor = 0.0
+    if not factor > 1:  # also refuses nan
+        raise UserError(f"{FACTOR_ENV}={raw_factor!r} must be a number above 1")
+    if not raw_intervals.isdigit() or int(raw_intervals) < 1:
+        raise UserError(f"{INTERVALS_ENV}={raw_intervals!r} must be a whole number of at least 1")
+    return factor, int(raw_intervals)
+
+
+class WorkClock:
+    """This rank's own work: time waiting for batches (add_wait) and the training forward passes
+    of the model's inner module (hooks), summed until take()."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.device = device
+        self.on_device = device.type != "cpu"
+        self._host = 0.0
+        self._started: float | torch.Event | None = None
+        self._spans: list[tuple[torch.Event, torch.Event]] = []
+        inner = accounting.unwrap(model)
+        inner.register_forward_pre_hook(self._forward_starts)
+        inner.register_forward_hook(self._forward_ends)
+
+    def add_wait(self, seconds: float) -> None:
+        self._host += seconds
+
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        if not module.training:  # an evaluation is not a step
+            return
+        if self.on_device:
+            self._started = torch.Event(device=self.device, enable_timing=True)
+            self._started.record()
+        else:
+            self._started = time.perf_counter()
+
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._started is None:
+            return
+        if self.on_device:
+            ended = torch.Event(device=self.device, enable_timing=True)
+            ended.record()
+            self._spans.append((self._started, ended))
+        else:
+            self._host += time.perf_counter() - self._started
+        self._started = None
+
+    def take(self) -> float:
+        """The seconds of own work since the last take(). On a device: its forward passes, once
+        the last one is done (one wait per log interval, for work long finished by then)."""
+        seconds, self._host = self._host, 0.0
+        if self._spans:
+            self._spans[-1][1].synchronize()
+            seconds += sum(start.elapsed_time(end) for start, end in self._spans) / 1000
+            self._spans.clear()
+        return seconds
+
+
+class StragglerWatch:
+    """One per rank; rank 0 says which rank straggles. `nodes`: rank -> node, on rank 0."""
+
+    def __init__(self, clock: WorkClock, rank: int, world_size: int, nodes: list[str],
+                 factor: float, intervals: int,
+                 say: Callable[[str], None] = print) -> None:
+        self.clock, self.rank, self.world_size, self.nodes = clock, rank, world_size, nodes
+        self.factor, self.intervals, self.say = factor, intervals, say
+        self._steps_since = 0
+        self._observed = 0
+        self._window: list[tuple[int, list[float]]] = []  # (steps, seconds per rank) per interval
+        self._named: set[int] = set()
+        self._totals = [0.0] * world_size
+
+    def step(self) -> None:
+        self._steps_since += 1
+
+    def contribution(self) -> torch.Tensor:
+        """This rank's seconds of own work per step since the last interval, at its index."""
+        per_step = self.clock.take() / max(self._steps_since, 1)
+        vector = torch.zeros(self.world_size, dtype=torch.float64)
+        vector[self.rank] = per_step
+        return vector
+
+    def observe(self, per_step: list[float]) -> None:
+        """Every rank's seconds per step over the interval just reduced. Each rank is compared
+        over the last `intervals` intervals together, so that one interval's hiccup weighs a
+        third; rank 0 speaks."""
+        steps, self._steps_since = self._steps_since, 0
+        self._observed += 1
+        if self._observed == 1 or steps == 0:  # the first interval is the warm-up
+            return
+        seconds = [value * steps for value in per_step]
+        self._totals = [total + value for total, value in zip(self._totals, seconds, strict=True)]
+        self._window = (self._window + [(steps, seconds)])[-self.intervals:]
+        if len(self._window) < self.intervals:
+            return
+        window = [sum(column) for column in zip(*(spent for _, spent in self._window), strict=True)]
+        median = statistics.median(window)
+        for rank, spent in enumerate(window):
+            if median > 0 and spent / median >= self.factor and rank not in self._named:
+                self._named.add(rank)
+                if self.rank == 0:
+                    self.say(f"xscale: straggler: rank {rank} on {self.node(rank)}: "
+                             f"{spent / median:.1f}x the median rank's work per step over the "
+                             f"last {sum(steps for steps, _ in self._window)} steps")
+
+    def node(self, rank: int) -> str:
+        return self.nodes[rank] if rank < len(self.nodes) else "?"
+
+    def summary(self) -> dict[str, Any] | None:
+        """The slowest rank of the run (after the warm-up), its node and factor; None before a
+        second interval."""
+        median = statistics.median(self._totals)
+        if median <= 0:
+            return None
+        slowest = max(range(self.world_size), key=lambda rank: self._totals[rank])
+        return {"rank": slowest, "node": self.node(slowest),
+                "factor": round(self._totals[slowest] / median, 2)}
+
+
+def watch(model: nn.Module, device: torch.device, rank: int, world_size: int,
+          say: Callable[[str], None] = print) -> StragglerWatch:
+    """A watch over this rank's own work (a collective: every rank calls it, to give rank 0 the
+    ranks' nodes)."""
+    factor, intervals = settings()
+    nodes = accounting.gather_to_rank0(accounting.node_name())
+    return StragglerWatch(WorkClock(model, device), rank, world_size, nodes, factor, intervals,
+                          say)
