@@ -231,3 +231,29 @@ def test_a_step_runs_its_stack_reader_in_its_own_image():
     assert hangs.in_image(["srun", "/opt/xs/runscripts/run-profile.sh", "python"]) == (
         [], "/opt/xs/runscripts")
     assert hangs.in_image(["srun", "python", "train.py"]) is None
+
+
+def test_a_node_is_blamed_for_a_hang_only_when_it_hung_in_the_attempt_before(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(JOBS_LIB))
+    try:
+        import failure_report
+        import hangs
+    finally:
+        sys.path.remove(str(JOBS_LIB))
+    log = tmp_path / "step.log"
+    log.write_text("srun: error: nid001: tasks 0-1: Exited with exit code 1\n"
+                   "srun: error: nid002: tasks 2-3: Killed\n")
+    hang = hangs.Hang("gloo:all_reduce", 18, [3], [0, 1, 2], {3: ["Thread 7 (idle)"]})
+    once, blamed = failure_report.report(str(log), "nid[001-002]", "2(x2)", "", [], hang, [])
+    assert blamed == [] and once[0] == ("first failure: rank 3 on nid002: hung: ranks 0-2 timed "
+                                        "out in gloo:all_reduce #18 waiting for it")
+    assert once[1] == "  3: Thread 7 (idle)"
+    # srun's line for rank 3 is the hang's own end, not a knock-on.
+    assert once[2] == ("knock-on: 3 ranks ended after it: ranks 0-1 on nid001: exited with exit "
+                       "code 1; rank 2 on nid002: killed")
+    twice, blamed = failure_report.report(str(log), "nid[001-002]", "2(x2)", "", [], hang,
+                                          ["nid002"])
+    assert blamed == ["nid002"]
+    assert twice[-1] == ("blame: nid002: a rank on it hung in this attempt and in the one before")

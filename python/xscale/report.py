@@ -62,6 +62,10 @@ def render(lines: list[str]) -> str:
                                 f"checkpoint {summary.get('checkpoint')}"))
     if summary.get("accuracy") is not None:
         rows.append(("accuracy", f"{summary['accuracy']:.3f} (all ranks)"))
+    slowest = summary.get("straggler")
+    if isinstance(slowest, dict) and summary.get("world_size", 1) > 1:
+        rows.append(("slowest", f"rank {slowest['rank']} on {slowest['node']}: "
+                                f"{slowest['factor']:.2f}x the median rank's own work per step"))
     text = "\n".join(f"  {name:<11} {value}" for name, value in rows)
     return text + startup_section(summary, rank_phases(lines, summary))
 

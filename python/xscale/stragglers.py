@@ -17,11 +17,11 @@ The factor, 2 by default (XSCALE_STRAGGLER_FACTOR), stays clear of what healthy 
 where they share cores (up to 1.6x over 30 steps on the test bed, four ranks on two cores; ranks
 that each have their own GPU or node should differ far less, not measured here) and flags a rank
 that halves the pace of every step at its compute-bound part; on a quiet machine a lower one
-(1.3) catches milder stragglers. Three intervals together (XSCALE_STRAGGLER_INTERVALS) keep one interval's hiccup (a
-checkpoint, a page-cache miss) from naming anyone; the first interval, one step of warm-up, is
-not counted. The summary's `straggler` field holds the slowest rank of the whole run, its node
-and its factor. A median needs a healthy majority: with half the ranks on one slow node of two,
-nobody is twice the median, and the summary's factor still shows the imbalance.
+(1.3) catches milder stragglers. Three intervals together (XSCALE_STRAGGLER_INTERVALS) keep one
+interval's hiccup (a checkpoint, a page-cache miss) from naming anyone; the first interval, one
+step of warm-up, is not counted. The summary's `straggler` field holds the slowest rank of the
+whole run, its node and its factor. A median needs a healthy majority: with half the ranks on one
+slow node of two, nobody is twice the median, and the summary's factor still shows the imbalance.
 """
 
 from __future__ import annotations
