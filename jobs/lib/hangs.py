@@ -7,11 +7,11 @@ waits has enqueued one more than it completed. The rank that never joined that c
 one with no record (a frozen process writes none: SIGSTOP, a GPU stuck in a kernel) or whose
 record stops short of it. That is read from the records themselves, not guessed from timing.
 
-While the step runs, HangWatch waits for the first record; once the records stop coming, it reads
-the Python stack of every rank that left none, with py-spy on its node (runscripts/lib/
-rank_stack.py, in the step's image, by `srun --overlap`), then lets the waiting ranks go:
-they wait for that, a bounded while, because Slurm ends the whole step, the hung rank with it, as
-soon as one of them exits.
+While the step runs, HangWatch waits for the first record; once the records stop coming and one
+of them is a timeout, it reads the Python stack of every rank that left none, with py-spy on its
+node (runscripts/lib/rank_stack.py, in the step's image, by `srun --overlap`), then lets the
+waiting ranks go: they wait for that, a bounded while, because Slurm ends the whole step, the
+hung rank with it, as soon as one of them exits.
 
 Standard library only, Python 3.6 and later: the batch host's system Python.
 """
@@ -82,7 +82,9 @@ class HangWatch(threading.Thread):
         job_step = next((record.get("xscale", {}).get("job_step") for record in seen.values()
                          if record.get("xscale", {}).get("job_step")), None)
         silent = [rank for rank in sorted(self.ranks) if rank not in seen][:MAX_STACKS]
-        if job_step:
+        # A peer lost (its node died, it exited) is no hang: its ranks need no stack, and a
+        # stack read on a dead node would hold the ranks back until STACK_TIMEOUT_S.
+        if job_step and any(timed_out(record) for record in seen.values()):
             for rank in silent:
                 self.save_stack(rank, job_step)
         release(self.fr_dir, sorted(seen))
