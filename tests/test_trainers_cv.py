@@ -93,6 +93,19 @@ def finish(procs: list, timeout: float = 300) -> tuple[list[int], str, str]:
     return codes, "".join(outs), "".join(errs)
 
 
+def wait_for_file(path: Path, procs: list, timeout: float) -> None:
+    """PATH appears while every rank runs; else the ranks are stopped and their output shown."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs):
+            for proc in procs:
+                proc.kill()
+            codes, stdout, stderr = finish(procs, timeout=60)
+            raise AssertionError(f"no {path.name} (exit codes {codes}):\n{stdout[-3000:]}\n"
+                                 f"{stderr[-5000:]}")
+        time.sleep(0.1)
+
+
 def run_ranks(world: int, *args: str, extra: dict[str, str] | None = None):
     return finish(start_ranks(world, *args, extra=extra))
 
@@ -225,10 +238,7 @@ def test_a_stop_signal_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(
     out = tmp_path / "out"
     procs = start_ranks(2, MNIST, "--data", str(mnist_dir), *MNIST_TINY, "--max-steps",
                         "100000", "--checkpoint-every", "2", "--output-dir", str(out))
-    deadline = time.monotonic() + 120
-    while not (out / "ckpt-000002.pt").exists():  # training is under way: the marker
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-        time.sleep(0.1)
+    wait_for_file(out / "ckpt-000002.pt", procs, 120)  # training is under way: the marker
     procs[1].send_signal(signal.SIGUSR1)  # Slurm's warning, to one rank only
     codes, stdout, stderr = finish(procs, timeout=120)
     assert codes == [0, 0], stderr
