@@ -278,7 +278,7 @@ def train(args: argparse.Namespace) -> int:
 
     # Every rank's own work per step, compared on rank 0 at each stop vote (xscale.stragglers).
     watch = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size)
-    record, stop = hf.RunRecord(ctx.device), hf.StopOnSignal(watch=watch)
+    record, stop = hf.RunRecord(ctx.device, ctx.is_main), hf.StopOnSignal(watch=watch)
     trainer = hf.XscaleTrainer(
         model=model,
         args=training_args,

@@ -4,10 +4,13 @@ the checks that code meant for a host's system Python is Python 3.6 code."""
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from xscale import records
 
@@ -38,6 +41,19 @@ def env_lines(output: str) -> dict[str, str]:
         if sep:
             pairs[key] = value
     return pairs
+
+
+JOBS_LIB = Path(__file__).resolve().parent.parent / "jobs" / "lib"
+
+
+def host_module(name: str) -> ModuleType:
+    """jobs/lib/NAME.py, imported as the batch host's programs import each other (by its bare
+    name, from jobs/lib)."""
+    sys.path.insert(0, str(JOBS_LIB))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(JOBS_LIB))
 
 
 def assert_python36_code(path: Path) -> None:

@@ -7,6 +7,7 @@ job on the node) and checks what a user would see.
 from __future__ import annotations
 
 import configparser
+import contextlib
 import json
 import os
 import pwd
@@ -14,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -274,6 +276,22 @@ def submit_lumi_mnist(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[
     return job_id, out_dir, output
 
 
+SPARE_STEPS, SPARE_EVERY = 60, 10
+
+
+def submit_with_a_spare(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[str, Path, Path]:
+    """jobs/lumi/mnist.sbatch with XSCALE_SPARES=1 on all four nodes: the step trains on three of
+    them, two ranks each, and the fourth waits."""
+    out_dir, output = tmp_path / "out", tmp_path / "job.out"
+    job_env = virtual_env(tmp_path, DATA=str(data), OUTPUT_DIR=str(out_dir),
+                          OMP_NUM_THREADS="1", XSCALE_SPARES="1",
+                          **{"MAX_STEPS": str(SPARE_STEPS), **env})
+    job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", str(SPARE_EVERY), "--log-every",
+                            str(SPARE_EVERY // 2), "--epochs", "100", env=job_env, output=output,
+                            sbatch_options=(*VIRTUAL, "--nodes=4"))
+    return job_id, out_dir, output
+
+
 def job_nodes(job_id: str) -> list[str]:
     """The nodes of the job's first run (read as soon as it runs: it changes on a requeue)."""
     wait_for(lambda: job_fields(job_id)["JobState"] == "RUNNING", 240, "the job to start")
@@ -314,11 +332,12 @@ def check_resumed_without(text: str, bad: str) -> dict:
     return second
 
 
-def test_a_rank_that_exits_3_is_named_first_and_its_job_is_not_retried(cluster, mnist_data,
-                                                                      tmp_path):
-    job_id, _, output = submit_lumi_mnist(cluster, mnist_data, tmp_path,
-                                          PATH=f"{FAULTY_PYTHON}:{tool_env()['PATH']}",
-                                          XSCALE_TEST_FAULT="1:exit:3")
+def test_a_rank_that_exits_3_is_named_first_and_its_job_is_neither_restarted_nor_retried(
+        cluster, mnist_data, tmp_path):
+    """A bug in the trainer: a spare is no cure for it, and neither is a requeue."""
+    job_id, _, output = submit_with_a_spare(cluster, mnist_data, tmp_path,
+                                            PATH=f"{FAULTY_PYTHON}:{tool_env()['PATH']}",
+                                            XSCALE_TEST_FAULT="1:exit:3")
     try:
         state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
     finally:
@@ -329,11 +348,12 @@ def test_a_rank_that_exits_3_is_named_first_and_its_job_is_not_retried(cluster, 
     first = next(line for line in report if line.startswith("xscale: first failure"))
     assert first == f"xscale: first failure: rank 2 on {node_of[2]}: exited with exit code 3"
     knock_on = next(line for line in report if line.startswith("xscale: knock-on"))
-    assert knock_on.startswith("xscale: knock-on: 3 ranks ended after it"), knock_on
-    assert "ranks 0-1,3" in knock_on, knock_on
-    assert report[-1].startswith("xscale: blame: no node"), text[-3000:]
+    assert knock_on.startswith("xscale: knock-on: 5 ranks ended after it"), knock_on
+    assert "ranks 0-1,3-5" in knock_on, knock_on
+    assert report[-2].startswith("xscale: blame: no node"), text[-3000:]
+    assert report[-1].startswith("xscale: goodput: "), text[-3000:]  # as the job ends
     assert (state, job_fields(job_id)["Restarts"]) == ("FAILED", "0")
-    assert "requeueing" not in text
+    assert "requeueing" not in text and "xscale: restart" not in text
 
 
 def test_a_bad_node_line_requeues_the_job_without_that_node_and_it_resumes(cluster, mnist_data,
@@ -359,21 +379,34 @@ def test_a_bad_node_line_requeues_the_job_without_that_node_and_it_resumes(clust
           f"launch to first step: {second['startup']['total']}")
 
 
+@contextlib.contextmanager
+def crashing(cluster, job_id: str):
+    """A function that crashes a node (tests/cluster/fault.sh crash); on the way out JOB_ID is
+    cancelled and every node crashed is healed, whatever the test found."""
+    crashed: list[str] = []
+
+    def crash(node: str) -> None:
+        crashed.append(node)
+        cluster.fault("crash", node)
+
+    try:
+        yield crash
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+        for node in crashed:
+            cluster.fault("heal", node)
+
+
 def test_a_node_that_dies_is_excluded_and_the_job_resumes(cluster, mnist_data, tmp_path):
     """Every process of one node is killed, its slurmd included: its peers fail at once (their
     collective lost a member) and srun waits until slurmctld declares the node failed."""
     job_id, out_dir, output = submit_lumi_mnist(cluster, mnist_data, tmp_path)
-    bad = ""
-    try:
+    with crashing(cluster, job_id) as crash:
         bad = job_nodes(job_id)[1]
         wait_for(lambda: (out_dir / f"ckpt-{RETRY_EVERY:06d}.pt").exists(), 240,
                  "the first checkpoint")
-        cluster.fault("crash", bad)
+        crash(bad)
         excluded, ended_s, state = through_the_retry(cluster, job_id, since=time.monotonic())
-    finally:
-        subprocess.run(["scancel", job_id], timeout=30, check=False)
-        if bad:
-            cluster.fault("heal", bad)
     text = output.read_text()
     assert state == "COMPLETED", text[-4000:]
     assert f"xscale: first failure: node {bad} failed" in text, text[-4000:]
@@ -423,7 +456,8 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
     # The three that waited, as srun reported their ends; rank 3's own end is the hang's.
     assert knock_on.startswith("xscale: knock-on: 3 ranks ended after it:"), knock_on
     assert "rank 3 " not in knock_on, knock_on
-    assert report[-1].startswith("xscale: blame: no node (a hang names a rank"), report
+    assert report[-2].startswith("xscale: blame: no node (a hang names a rank"), report
+    assert report[-1].startswith("xscale: goodput: "), report  # as the job ends
     assert (state, job_fields(job_id)["Restarts"]) == ("FAILED", "0")
     records = out_dir / "xscale-records"
     # The records the hang was read from (torch's analyzer reads them too): the three that
@@ -432,6 +466,81 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
     assert {"rank0", "rank1", "rank2"} <= {path.name for path in flight.glob("rank*")}
     assert json.loads((flight / "released").read_text()) == {"recorded": [0, 1, 2]}
     assert json.loads((records / "hangs").read_text())["nodes"] == ["nid002"]
+
+
+# --- spares: a step restarted inside the allocation ----------------------------------------------
+
+def goodput_of(text: str) -> dict:
+    return tagged_records(text, "XSCALE_GOODPUT")[-1]
+
+
+def test_a_crashed_node_s_step_restarts_on_the_spare_without_a_requeue(cluster, mnist_data,
+                                                                        tmp_path):
+    job_id, out_dir, output = submit_with_a_spare(cluster, mnist_data, tmp_path)
+    with crashing(cluster, job_id) as crash:
+        nodes = job_nodes(job_id)
+        crashed = nodes[1]  # one of the three training nodes; nodes[3] is the spare
+        # Half-way to the second checkpoint, so that the crash throws work away.
+        progress = out_dir / "xscale-records" / "run0-step1.progress"
+        wait_for(lambda: progress.exists() and any(
+            json.loads(line)["step"] > SPARE_EVERY for line in progress.read_text().splitlines()
+            if line.endswith("}")), 240, "progress past the first checkpoint")
+        crashed_at = time.time()
+        crash(crashed)
+        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
+    text = output.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    assert job_fields(job_id)["Restarts"] == "0"  # no requeue: the same allocation throughout
+    kept = [node for node in nodes if node != crashed]
+    assert (f"xscale: restart 1 of 3: relaunching on nid[{kept[0][3:]},{kept[1][3:]}-"
+            f"{kept[2][3:]}] without {crashed}") in text, text[-4000:]
+    resumed = tagged_records(text.rpartition("xscale: restart 1 of")[2], "XSCALE_SUMMARY")[-1]
+    # From the checkpoint, on the three other nodes, with the same world size, to the end.
+    assert resumed["start_step"] >= SPARE_EVERY and resumed["steps"] == SPARE_STEPS, resumed
+    assert resumed["world_size"] == 6, resumed
+    ranks = rank_records(text.rpartition("xscale: restart 1 of")[2])
+    assert {record["node"] for record in ranks} == set(kept), ranks
+    ledger = goodput_of(text)
+    # The steps past the checkpoint, redone by the resumed step.
+    assert ledger["lost_work_s"] > 0 and ledger["lost_steps"] >= SPARE_EVERY // 2, ledger
+    assert ledger["restarts_s"] > 0, ledger
+    assert 0 < ledger["goodput"] < 1, ledger
+    records = out_dir / "xscale-records"
+    resumed_at = next(json.loads(line)["time"] for line in
+                      (records / "run0-step2.progress").read_text().splitlines()
+                      if json.loads(line)["event"] == "first_step")
+    goodput_line = next(line for line in text.splitlines() if line.startswith("xscale: goodput:"))
+    report = subprocess.run([sys.executable, "-m", "xscale.report", str(output)],
+                            capture_output=True, text=True, timeout=60, check=False,
+                            env={**os.environ, "PYTHONPATH": str(REPO / "python")})
+    assert f"  goodput     {ledger['text']}" in report.stdout.splitlines(), report
+    assert goodput_line == "xscale: goodput: " + ledger["text"]
+    print(f"{crashed} crashed: the resumed step's first step came {resumed_at - crashed_at:.1f} s"
+          f" later, in the same allocation; {goodput_line}")
+
+
+def test_a_second_crash_with_one_spare_falls_back_to_the_requeue(cluster, mnist_data, tmp_path):
+    job_id, out_dir, output = submit_with_a_spare(cluster, mnist_data, tmp_path,
+                                                  MAX_STEPS="100000")
+    with crashing(cluster, job_id) as crash:
+        nodes = job_nodes(job_id)
+        wait_for(lambda: (out_dir / f"ckpt-{SPARE_EVERY:06d}.pt").exists(), 240,
+                 "the first checkpoint")
+        crash(nodes[1])
+        wait_for(lambda: "xscale: restart 1 of 3" in output.read_text(), 180, "the restart")
+        wait_for(lambda: (out_dir / "xscale-records" / "run0-step2.progress").exists(), 240,
+                 "the restarted step's first step")
+        crash(nodes[2])
+        # Requeued, then given its ExcNodeList (supervisor.py's requeue_without says why).
+        wait_for(lambda: job_fields(job_id)["ExcNodeList"] != "(null)", 180,
+                 "the requeue without both nodes")
+        excluded, restarts = job_fields(job_id)["ExcNodeList"], job_fields(job_id)["Restarts"]
+    text = output.read_text()
+    # Two nodes left of the four, three needed: back to the queue, without both.
+    lost = f"nid[{nodes[1][3:]}-{nodes[2][3:]}]"
+    assert f"xscale: retry 1 of 3: requeueing job {job_id} without {lost}" in text, text[-4000:]
+    assert (excluded, restarts) == (lost, "1")
+    assert "xscale: restart 2 of" not in text
 
 
 def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.helpers import assert_python36_code, find_python36
+from tests.helpers import JOBS_LIB, assert_python36_code, find_python36, host_module
 
-JOBS_LIB = REPO / "jobs" / "lib"
 # Everything the batch host runs or imports in Python.
-HOST_PYTHON = [JOBS_LIB / "supervisor.py", JOBS_LIB / "failure_report.py", JOBS_LIB / "shared.py",
-               JOBS_LIB / "hangs.py", JOBS_LIB / "stage", JOBS_LIB / "stage-node",
+HOST_PYTHON = [*(JOBS_LIB / f"{name}.py" for name in ("supervisor", "failure_report", "shared",
+                                                      "hangs", "steps", "allocation", "goodput")),
+               JOBS_LIB / "stage", JOBS_LIB / "stage-node",
                REPO / "runscripts" / "lib" / "rank_stack.py",
                REPO / "python" / "xscale" / "records.py", REPO / "python" / "xscale" / "archive.py",
                REPO / "runscripts" / "lib" / "hostlist.py"]
@@ -136,8 +136,8 @@ def test_a_step_that_cannot_start_is_one_line_and_no_traceback(tmp_path):
     assert proc.returncode == 127
     assert proc.stderr.startswith("xscale: cannot start the step: ") and \
         len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert json.loads((tmp_path / "records" / "run0.json").read_text())["steps"][-1] == {
-        "log": str(tmp_path / "records" / "run0-step1.log"), "status": 127}
+    step = json.loads((tmp_path / "records" / "run0.json").read_text())["steps"][-1]
+    assert (step["log"], step["status"]) == (str(tmp_path / "records" / "run0-step1.log"), 127)
 
 
 # ---- a hang, from flight records as torch writes them -------------------------------------------
@@ -170,23 +170,12 @@ TIMEOUT = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms f
 PLACEMENT = {0: "nid001", 1: "nid001", 2: "nid002", 3: "nid002"}
 
 
-def hangs_module():
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(JOBS_LIB))
-    try:
-        return importlib.import_module("hangs")
-    finally:
-        sys.path.remove(str(JOBS_LIB))
-
-
 @pytest.mark.parametrize("quiet_rank", [
     None,  # frozen: no record at all
     flight_record(3, 17, 17, TIMEOUT),  # alive, but its last collective came before #18
 ])
 def test_the_rank_without_the_collective_the_others_timed_out_in_hung(tmp_path, quiet_rank):
-    hangs = hangs_module()
+    hangs = host_module("hangs")
     records = {rank: flight_record(rank, 18, 18, TIMEOUT) for rank in range(3)}
     if quiet_rank is not None:
         records[3] = quiet_rank
@@ -197,14 +186,14 @@ def test_the_rank_without_the_collective_the_others_timed_out_in_hung(tmp_path, 
 
 def test_nccl_records_count_from_the_first_collective_not_completed(tmp_path):
     """torch's watchdog writes a record on a timeout only, without xscale's entry."""
-    hangs = hangs_module()
+    hangs = host_module("hangs")
     write_records(tmp_path / "fr", {rank: flight_record(rank, 20, 17) for rank in range(3)})
     hang = hangs.read_hang(str(tmp_path / "fr"), PLACEMENT, str(tmp_path / "stack-rank"))
     assert (hang.culprits, hang.what()) == ([3], "gloo:all_reduce #18")
 
 
 def test_no_timeout_no_hang_and_late_records_do_not_count(tmp_path):
-    hangs = hangs_module()
+    hangs = host_module("hangs")
     # Peers of a rank that exited: they lost it, they did not time out.
     lost = "Connection closed by peer [10.77.0.12]:23456"
     write_records(tmp_path / "lost", {rank: flight_record(rank, 18, 18, lost) for rank in range(3)})
@@ -223,7 +212,7 @@ def test_no_timeout_no_hang_and_late_records_do_not_count(tmp_path):
 
 
 def test_a_step_runs_its_stack_reader_in_its_own_image():
-    hangs = hangs_module()
+    hangs = host_module("hangs")
     step = ["srun", "--label", "singularity", "exec", "-B", "/pfs,/x:/runscripts", "img.sif",
             "/runscripts/run.sh", "python", "train.py"]
     assert hangs.in_image(step) == (["singularity", "exec", "-B", "/pfs,/x:/runscripts",
@@ -234,14 +223,7 @@ def test_a_step_runs_its_stack_reader_in_its_own_image():
 
 
 def test_a_node_is_blamed_for_a_hang_only_when_it_hung_in_the_attempt_before(tmp_path):
-    import sys
-
-    sys.path.insert(0, str(JOBS_LIB))
-    try:
-        import failure_report
-        import hangs
-    finally:
-        sys.path.remove(str(JOBS_LIB))
+    failure_report, hangs = host_module("failure_report"), host_module("hangs")
     log = tmp_path / "step.log"
     log.write_text("srun: error: nid001: tasks 0-1: Exited with exit code 1\n"
                    "srun: error: nid002: tasks 2-3: Killed\n")

@@ -49,16 +49,17 @@ xs_require_sif
 
 # ---- rendezvous: computed here, outside the container, where Slurm's tools exist --------------
 # Always recomputed: a MASTER_ADDR left in the submitting shell (an earlier salloc) would point
-# every rank at a node this job does not have. No `| head -n 1`: with pipefail, scontrol killed by
-# SIGPIPE (thousands of nodes outgrow the pipe) would fail the job.
+# every rank at a node this job does not have (the supervisor moves it with the step). No `head`:
+# with pipefail, scontrol killed by SIGPIPE (thousands of nodes) would fail the job.
 NODE_NAMES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 MASTER_ADDR=${NODE_NAMES%%$'\n'*}
 export MASTER_ADDR
 
 # ---- time limit or failure -> checkpoint -> requeue (jobs/lib/supervise.sh, docs/FAILURES.md) ---
-# At Slurm's USR1 warning the ranks save a checkpoint, and the job requeues itself to resume. A
-# failed step is reported, and with XSCALE_RETRY=1 requeued without the nodes it blames.
-: "${XSCALE_RETRY:=1}" "${XSCALE_BLAME:=slurm lumi}"
+# At Slurm's USR1 warning the ranks save a checkpoint and the job requeues itself. A failed step
+# is reported and relaunched without the nodes it blames, on XSCALE_SPARES idle nodes of the
+# job, else requeued without them (XSCALE_RETRY=1).
+: "${XSCALE_RETRY:=1}" "${XSCALE_BLAME:=slurm lumi}" "${XSCALE_SPARES:=0}"
 # shellcheck source=jobs/lib/supervise.sh
 source "$XSCALE_ROOT/jobs/lib/supervise.sh"
 
@@ -71,15 +72,14 @@ xs_lumi_train() {
     singularity exec -B "$BINDS" "$SIF" "/runscripts/$RUNSCRIPT" "$@"
 }
 
-# xs_lumi_run [SRUN OPTIONS...] -- CMD [ARGS...]: another step in the image, not supervised.
+# xs_lumi_run [SRUN OPTIONS...] -- CMD [ARGS...]: another step in the image, unsupervised.
 xs_lumi_run() {
   local -a options=()
   while [[ $1 != -- ]]; do options+=("$1"); shift; done
   srun --kill-on-bad-exit=1 "${options[@]}" singularity exec -B "$BINDS" "$SIF" "${@:2}"
 }
 
-# xs_lumi_inputs [--if-set] NAME...: each path named must exist and be inside the binds (with
-# --if-set, only those set: a model or data set whose default is the trainer's own).
+# xs_lumi_inputs [--if-set] NAME...: each path must exist, inside the binds (--if-set: if set).
 xs_lumi_inputs() {
   local name if_set=""
   if [[ $1 == --if-set ]]; then if_set=1; shift; fi
@@ -88,8 +88,8 @@ xs_lumi_inputs() {
   done
 }
 
-# xs_args_if_set ARRAY OPTION VALUE...: append each OPTION VALUE pair whose VALUE is set (empty:
-# the trainer's own default).
+# xs_args_if_set ARRAY OPTION VALUE...: each OPTION VALUE pair whose VALUE is set (empty: the
+# trainer's default) is appended to ARRAY.
 xs_args_if_set() {
   local -n xs_array=$1
   shift

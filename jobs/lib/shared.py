@@ -1,5 +1,5 @@
 """What the batch host's programs (supervisor.py, failure_report.py, stage, stage-node) import
-from the rest of the checkout, in one place.
+from the rest of the checkout, in one place, and the one way they speak: `xscale: ...` on stderr.
 
 They run on the host's system Python (3.6 on LUMI's and Aurora's batch and login nodes), so they
 use only modules written for it: runscripts/lib/hostlist.py (Slurm's syntax), and
@@ -12,6 +12,11 @@ imports need a newer Python.
 import importlib.util
 import os
 import sys
+
+
+def say(text):
+    print("xscale: " + text, file=sys.stderr, flush=True)
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "runscripts", "lib"))

@@ -30,24 +30,20 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import failure_report
+import goodput
 import hangs
-from shared import hostlist, records
+from allocation import Allocation, AllocationError
+from shared import hostlist, records, say
+from steps import Step, step_file, stop_signals
 
-STOP_SIGNALS = {signal.SIGUSR1: "USR1", signal.SIGTERM: "TERM"}
 WHOLE_NUMBER = re.compile(r"^[0-9]+$")
-COPY_DRAIN_S = 5  # how long the step's output may trail its end (a process it left behind)
 
 
 class UserError(Exception):
     """A setting or input the user can fix: one line and status 2."""
-
-
-def say(text):
-    print("xscale: " + text, file=sys.stderr, flush=True)
 
 
 # ---- settings -----------------------------------------------------------------------------------
@@ -71,6 +67,11 @@ class Settings:
             self.patterns = failure_report.load_patterns(self.blame_files)
         except failure_report.PatternError as error:
             raise UserError(str(error)) from None
+        for name in ("XSCALE_SPARES", "XSCALE_MAX_RESTARTS"):
+            if name in env and not WHOLE_NUMBER.match(env[name]):
+                raise UserError("%s='%s' is not a whole number" % (name, env[name]))
+        self.spares = int(env.get("XSCALE_SPARES", "0"))
+        self.max_restarts = int(env.get("XSCALE_MAX_RESTARTS", "3"))
         self.job = requeue_id(env)
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
         self.records_dir = env.get("XSCALE_RECORDS_DIR") or os.path.join(
@@ -113,15 +114,22 @@ class JobRecords:
     def path(self, name):
         return os.path.join(self.dir, name)
 
-    def state_path(self):
-        return self.path("run%d.json" % self.run)
+    def state_path(self, run=None):
+        return self.path("run%d.json" % (self.run if run is None else run))
 
-    def load(self):
+    def load(self, run=None):
+        """The state of run RUN (this one by default); a new one starts with the time the job
+        started on its nodes."""
         try:
-            with open(self.state_path()) as handle:
+            with open(self.state_path(run)) as handle:
                 return json.load(handle)
         except (OSError, ValueError):
-            return {"steps": [], "requeue": None}
+            return {"started": job_start_time(), "steps": [], "requeue": None}
+
+    def runs(self):
+        """The states of the job's runs so far, in order (a requeue is a new run)."""
+        return [self.load(run) for run in range(self.run + 1)
+                if os.path.exists(self.state_path(run))]
 
     def save(self, state):
         partial = self.state_path() + ".new"
@@ -163,119 +171,66 @@ class JobRecords:
                          % (time.strftime("%Y-%m-%dT%H:%M:%S"), self.run, nodes, why))
 
 
-def record_stop(stop_file, name):
-    if stop_file:
-        with open(stop_file, "a") as handle:
-            handle.write(name + "\n")
-
-
-def stop_signals(stop_file):
-    """The stop signals the batch shell received so far, oldest first."""
+def job_start_time():
+    """When this run of the job started on its nodes: when the batch shell that calls this
+    program started (Slurm starts it with the allocation); now, where /proc does not say."""
     try:
-        with open(stop_file) as handle:
-            return handle.read().split()
-    except (OSError, TypeError):
-        return []
+        with open("/proc/%d/stat" % os.getppid()) as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as handle:
+            booted = next(int(line.split()[1]) for line in handle if line.startswith("btime "))
+        return booted + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
-# ---- run: the step itself ------------------------------------------------------------------------
-
-class Step:
-    """CMD (the srun line) with its output going to the job's output as it comes and, copied, to
-    LOG, with the stop signals passed on to it, and a watch for a hang (jobs/lib/hangs.py) whose
-    flight records go to the step's own directory, XSCALE_FR_DIR."""
-
-    def __init__(self, command, log, stop_file):
-        self.command, self.log, self.stop_file = command, log, stop_file
-        self.proc = None
-        self.forwarded = set()
-        self.fr_dir = step_file(log, ".fr")
-
-    def run(self):
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self.on_stop)
-        came = stop_signals(self.stop_file)
-        if came:
-            say("not starting the step: SIG%s came before it" % came[-1])
-            return 143 if came[-1] == "TERM" else 0
-        # The launch time, for the trainers' start-up phases (docs/STARTUP.md), in bash's
-        # EPOCHREALTIME form; only this step's environment holds it, so an srun typed later by
-        # hand reports its launch as unknown rather than this step's.
-        env = dict(os.environ, XSCALE_LAUNCH_T="%.6f" % time.time(), XSCALE_FR_DIR=self.fr_dir)
-        os.makedirs(self.fr_dir, exist_ok=True)
-        with open(self.log, "ab") as log:
-            try:
-                self.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
-                                             stderr=subprocess.STDOUT)
-            except OSError as error:
-                say("cannot start the step: %s: %s" % (self.command[0], error.strerror))
-                return 127
-            copier = threading.Thread(target=copy_output, args=(self.proc.stdout, log),
-                                      daemon=True)
-            copier.start()
-            # A signal the batch shell got while this program started found no step to pass
-            # it on to.
-            for name in sorted(set(stop_signals(self.stop_file))):
-                self.forward(getattr(signal, "SIG" + name))
-            watch = hangs.HangWatch(self.fr_dir, hangs.placement(os.environ), self.command,
-                                    step_file(self.log, ".stack-rank"))
-            watch.start()
-            status = self.proc.wait()
-            watch.stop()
-            remove_if_empty(self.fr_dir)
-            # The output ends with the step, unless a process it left behind holds the pipe:
-            # then the log may miss that process's lines, not the step's.
-            copier.join(COPY_DRAIN_S)
-        return 128 - status if status < 0 else status
-
-    def on_stop(self, signum, frame):
-        """A stop signal from the batch shell, or from Slurm directly (scancel signals every
-        process of the batch step): recorded as the batch shell records its own, and passed on."""
-        record_stop(self.stop_file, STOP_SIGNALS[signum])
-        if self.proc is not None:
-            self.forward(signum)
-
-    def forward(self, signum):
-        """Each stop signal is passed on once: the trainers take it as a flag, and it may come
-        twice (from the batch shell, and from scancel to every process of the batch step)."""
-        if signum not in self.forwarded and self.proc.poll() is None:
-            self.forwarded.add(signum)
-            say("SIG%s received: the ranks save a checkpoint after this step and exit"
-                % STOP_SIGNALS[signum])
-            self.proc.send_signal(signum)
-
-
-def step_file(log, suffix):
-    """The step's other records, named after its log: runR-stepS.fr/ and so on."""
-    return log[:-len(".log")] + suffix
-
-
-def remove_if_empty(directory):
-    try:
-        os.rmdir(directory)
-    except OSError:
-        pass  # it holds the flight records of a failed step
-
-
-def copy_output(pipe, log):
-    out = sys.stdout.buffer
-    for chunk in iter(lambda: os.read(pipe.fileno(), 1 << 16), b""):
-        out.write(chunk)
-        out.flush()
-        log.write(chunk)
-        log.flush()
-
+# ---- run: the step, and its restarts inside the allocation -------------------------------------
 
 def command_run(settings, stop_file, command):
+    """Run the step on the allocation's step nodes. When it fails, report it; when the report
+    blames nodes and enough healthy ones are left (spares, XSCALE_SPARES), relaunch it at once
+    without them, at most XSCALE_MAX_RESTARTS times, the trainer resuming from its checkpoint;
+    else requeue the job without them when the script exits, if asked (XSCALE_RETRY=1)."""
     job_records = JobRecords(settings)
     state = job_records.load()
-    # A status of None: still running, or its supervisor was killed.
-    step = {"log": job_records.next_step_log(state), "status": None}
-    state["steps"].append(step)
-    job_records.save(state)
-    step["status"] = Step(command, step["log"], stop_file).run()
+    allocation = Allocation.from_env(settings.env, settings.spares, state.get("excluded", []))
+    while True:
+        # A status of None: still running, or its supervisor was killed.
+        step = {"log": job_records.next_step_log(state), "status": None,
+                "nodes": allocation.layout(settings.env)[0], "launched": time.time()}
+        state["steps"].append(step)
+        job_records.save(state)
+        launch = Step(allocation.command(command), step["log"], stop_file,
+                      allocation.environment(), allocation.placement(settings.env))
+        step["status"] = launch.run()
+        step["ended"] = time.time()
+        job_records.save(state)
+        if step["status"] == 0 or stop_signals(stop_file) or launch.proc is None:
+            break  # done; stopped (TERM means stop, a warning leaves no time); never started
+        blamed = report_failure(settings, job_records, step, allocation)
+        if not blamed:
+            break  # a bug in the trainer must not loop
+        if not restart(settings, state, allocation, blamed):
+            retry_without(settings, job_records, state, hostlist.compress(allocation.excluded),
+                          "the failure above")
+            break
+        job_records.save(state)
     job_records.save(state)
     return step["status"]
+
+
+def restart(settings, state, allocation, blamed):
+    """Leave BLAMED out and say so; whether the step can run again in this allocation."""
+    done = state.get("restarts", 0)
+    if done >= settings.max_restarts or not allocation.without(blamed):
+        allocation.excluded |= set(blamed)
+        return False
+    state["restarts"] = done + 1
+    state["excluded"] = sorted(allocation.excluded)
+    say("restart %d of %d: relaunching on %s without %s"
+        % (done + 1, settings.max_restarts, hostlist.compress(allocation.step_nodes),
+           hostlist.compress(blamed)))
+    return True
 
 
 # ---- judge: what the step's end means --------------------------------------------------------
@@ -284,23 +239,29 @@ def command_judge(settings, stop_file):
     """After a clean stop on USR1 the job is requeued when the script exits (so that any clean-up
     after the step still runs), unless the step had finished its training: the warning came as
     it ended. A stop on TERM is not requeued: scancel means stop, and Slurm requeues preempted
-    jobs itself. Any other failure is reported, and retried without the nodes it blames."""
+    jobs itself. A failure was reported as it happened (command_run). Its status is the last
+    step's."""
     job_records = JobRecords(settings)
     state = job_records.load()
     step = state["steps"][-1] if state["steps"] else {"status": None}
     came = stop_signals(stop_file)
-    last = came[-1] if came else ""
     status = step["status"]
     if status is None:
         say("error: the step's supervisor ended without its status (was it killed?)")
         return 1
-    if last == "USR1" and status == 0:
+    if came and came[-1] == "USR1" and status == 0:
         if training_finished(step["log"]):
             say("the step had finished its training when SIGUSR1 came: no requeue")
         else:
             state["requeue"] = {"why": "the time limit"}
-    elif status != 0 and last != "TERM":
-        report_failure(settings, job_records, state, step)
+    elif status != 0 and came and came[-1] != "TERM" and not step.get("reported"):
+        # A failure as the warning came: reported, and requeued without what it blames, but
+        # not restarted (no time is left for that).
+        allocation = Allocation.from_env(settings.env, settings.spares, state.get("excluded", []))
+        blamed = report_failure(settings, job_records, step, allocation)
+        if blamed:
+            retry_without(settings, job_records, state, hostlist.compress(blamed),
+                          "the failure above")
     job_records.save(state)
     return status
 
@@ -318,30 +279,31 @@ def training_finished(log):
                if isinstance(summary, dict))
 
 
-def report_failure(settings, job_records, state, step):
+def report_failure(settings, job_records, step, allocation):
+    """Print the report of a failed step; the nodes it blames."""
+    step["reported"] = True
     say("the step failed with exit status %d; what srun saw:" % step["status"])
     env = settings.env
-    nodes = env.get("SLURM_JOB_NODELIST", "")
-    states = node_states(nodes)
+    nodes, per_node = allocation.layout(env)
+    states = node_states(env.get("SLURM_JOB_NODELIST", ""))
     with open(step["log"] + ".node-states", "w") as handle:
         handle.write(states)
-    hang = hangs.read_hang(step_file(step["log"], ".fr"), hangs.placement(env),
+    placement = allocation.placement(env)
+    hang = hangs.read_hang(step_file(step["log"], ".fr"), placement,
                            step_file(step["log"], ".stack-rank"))
     try:
-        lines, blamed = failure_report.report(step["log"], nodes,
-                                              env.get("SLURM_TASKS_PER_NODE", ""), states,
+        lines, blamed = failure_report.report(step["log"], nodes, per_node, states,
                                               settings.patterns, hang,
                                               job_records.last_hang_nodes())
     except (OSError, hostlist.HostlistError) as error:
         say("error: no report: %s" % " ".join(str(error).split()))
-        return
+        return []
     for line in lines:
         say(line)
     if hang is not None:
-        job_records.add_hang(hang, hangs.placement(env))
-    if blamed:
-        retry_without(settings, job_records, state, hostlist.compress(blamed),
-                      "the failure above")
+        job_records.add_hang(hang, placement)
+    step["blamed"] = blamed
+    return blamed
 
 
 def node_states(nodes):
@@ -408,12 +370,34 @@ def command_finish(settings):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not os.path.isdir(settings.records_dir):
         return 0
-    decided = JobRecords(settings, create=False).load().get("requeue")
+    job_records = JobRecords(settings, create=False)
+    state = job_records.load()
+    if state["steps"]:
+        state["ended"] = time.time()
+        job_records.save(state)
+        report_goodput(job_records)
+    decided = state.get("requeue")
     if decided and decided.get("exclude"):
         requeue_without(settings.job, decided["exclude"])
     elif decided:
         requeue_at_time_limit(settings)
     return 0
+
+
+def report_goodput(job_records):
+    """The job's goodput so far, across its runs: one line, the same as XSCALE_GOODPUT {json}
+    for xscale.report, and XSCALE_RECORDS_DIR/goodput.json (jobs/lib/goodput.py). Only once a
+    trainer has noted its progress: a script that ran no training has nothing to account."""
+    runs = job_records.runs()
+    progress = {step["log"]: goodput.read_progress(step_file(step["log"], ".progress"))
+                for run in runs for step in run.get("steps", [])}
+    if not any(progress.values()):
+        return
+    book = goodput.ledger(runs, lambda step: progress.get(step["log"], []))
+    book["text"] = goodput.line(book)
+    book["records"] = goodput.write(job_records.dir, book)
+    say("goodput: " + book["text"])
+    print("XSCALE_GOODPUT " + json.dumps(book), flush=True)
 
 
 def requeue_at_time_limit(settings):
@@ -471,6 +455,7 @@ def main(argv=None):
         settings = Settings(os.environ)
         if args.verb == "check":
             JobRecords(settings)
+            Allocation.from_env(settings.env, settings.spares)
             return 0
         if args.verb == "run":
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -482,7 +467,7 @@ def main(argv=None):
         if args.verb == "finish":
             return command_finish(settings)
         parser.error("no verb given")
-    except UserError as error:
+    except (UserError, AllocationError) as error:
         say("error: " + str(error))
         return 2
 

@@ -16,8 +16,10 @@ through `runtime` for everything else. Imports run one way, down this list:
     dist        placement from run.sh's variables, device (torch.accelerator), backend, group
     lifecycle   user errors, stop signals, shielded child processes, failure hooks, the exit
     flight      a failed rank's flight record, for the step supervisor to name a hung rank
+    progress    rank 0's progress notes, for the step supervisor's goodput ledger
     startup     the start-up phases (launch, run.sh, imports, group, first step): stdlib only
     report      `python -m xscale.report JOB_OUTPUT`: a readable summary of a finished run
+    goodput_model  `python -m xscale.goodput_model`: requeue vs spares over a long campaign
     records, archive   the XSCALE_* line reader and staging's unpack-and-publish, which the
                 batch host's programs (jobs/lib/) load by path: Python 3.6, stdlib, no imports
 """

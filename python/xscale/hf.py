@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import accounting, flight, lifecycle, profiling, runtime, startup, stragglers
+from xscale import accounting, flight, lifecycle, profiling, progress, runtime, startup, stragglers
 from xscale.dist import (
     DistContext,
     Placement,
@@ -116,12 +117,14 @@ class RunRecord(TrainerCallback):
     evaluations and checkpoints inside training, as the job's time does.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, is_main: bool = False) -> None:
         self.start_step = 0
         self.end_step = 0
         self.losses: list[float] = []
         self.throughput = accounting.Throughput(device, warmup_steps=1)
+        self.progress = progress.Progress(is_main)  # for the step supervisor's goodput ledger
         self._tokens_seen = 0
+        self._step_ended = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Called after Trainer restored the checkpoint's state: global_step is where we resume.
@@ -136,7 +139,17 @@ class RunRecord(TrainerCallback):
         self.throughput.step(samples, tokens / args.world_size)
         if self.end_step == self.start_step:  # this call's first step
             runtime.first_step_done(self.throughput.device)
+            self.progress.note("first_step", state.global_step)
+        elif state.global_step % runtime.STOP_VOTE_EVERY == 0:
+            self.progress.note("interval", state.global_step)
         self.end_step = state.global_step
+        self._step_ended = time.perf_counter()
+
+    def on_save(self, args, state, control, **kwargs):
+        # Trainer saves right after the step's end (and its log or evaluation, if due): the
+        # time since is how long the checkpoint held training up.
+        self.progress.note("checkpoint", state.global_step,
+                           stall_s=time.perf_counter() - self._step_ended)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -145,6 +158,7 @@ class RunRecord(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.throughput.stop()
         self.end_step = state.global_step
+        self.progress.note("end", state.global_step)
 
 
 class ProfileSteps(TrainerCallback):

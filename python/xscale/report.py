@@ -1,8 +1,9 @@
 """Readable summary of a finished run: `python -m xscale.report JOB_OUTPUT_FILE [--png]`.
 
 Reads the machine-readable lines a trainer prints (XSCALE_SUMMARY from rank 0, XSCALE_RANK from
-every rank) and run.sh's `xscale: launcher=...` line, and prints what a person wants to know,
-with the start-up phases (xscale.startup): each phase's median and slowest rank@node.
+every rank), run.sh's `xscale: launcher=...` line and the step supervisor's XSCALE_GOODPUT, and
+prints what a person wants to know, with the start-up phases (xscale.startup): each phase's
+median and slowest rank@node.
 `--png` also draws them, one row per node, into JOB_OUTPUT_FILE.startup.png (xscale.picture).
 Bad input (no such file, no summary, no phases to draw) is one line on stderr and status 2.
 """
@@ -66,6 +67,9 @@ def render(lines: list[str]) -> str:
     if isinstance(slowest, dict) and summary.get("world_size", 1) > 1:
         rows.append(("slowest", f"rank {slowest['rank']} on {slowest['node']}: "
                                 f"{slowest['factor']:.2f}x the median rank's own work per step"))
+    ledgers = records.tagged(lines, "XSCALE_GOODPUT")  # the supervisor's, as the job ended
+    if ledgers and ledgers[-1].get("text"):
+        rows.append(("goodput", ledgers[-1]["text"]))
     text = "\n".join(f"  {name:<11} {value}" for name, value in rows)
     return text + startup_section(summary, rank_phases(lines, summary))
 

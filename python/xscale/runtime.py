@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from xscale import accounting, data, flight, lifecycle, profiling, startup, stragglers
+from xscale import accounting, data, flight, lifecycle, profiling, progress, startup, stragglers
 from xscale.dist import DistContext, init_distributed
 
 # The summary's `seconds` run from here: the trainer's imports are done, nothing else is.
@@ -118,6 +118,7 @@ class Loop:
         self.window = profiling.window_from_env(ctx.rank, ctx.device)
         self.stragglers = None if model is None else stragglers.watch(
             model, ctx.device, ctx.rank, ctx.world_size, say=self.log.message)
+        self.progress = progress.Progress(ctx.is_main)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -167,6 +168,7 @@ class Loop:
         self.meter.step(samples * self.accumulation, tokens)
         if self.step == self.start_step + 1:
             first_step_done(self.ctx.device)
+            self.progress.note("first_step", self.step)
         self.log.advance()
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self._save()
@@ -183,11 +185,16 @@ class Loop:
         self._voted_at = self.step
         if vote_to_stop(self.log.flush, self.stragglers):
             self.stopped = True
+        self.progress.note("interval", self.step)
 
     def _save(self) -> None:
+        """The checkpoint of this step, once; how long it held training up goes to the
+        progress notes (a collective save: every rank waits as long as the slowest)."""
         if self.save_fn is not None and self.saved_step != self.step:
+            started = time.perf_counter()
             self.saved_path = self.save_fn(self.step, self.epoch)
             self.saved_step = self.step
+            self.progress.note("checkpoint", self.step, stall_s=time.perf_counter() - started)
 
     # ---- the end --------------------------------------------------------------------------
 
@@ -200,6 +207,7 @@ class Loop:
             self._vote()
         self.log.close()
         self._save()
+        self.progress.note("end", self.step)
         if self.stopped and self.ctx.is_main:
             print(stop_message(self.prog, self.step, self.saved_path), flush=True)
 

@@ -19,5 +19,6 @@ run trainers_cv.sh    # mnist_ddp, imagenet, imagenet_deepspeed: samples/s on CP
 run gpt_neo.sh        # gpt_neo_imdb: tokens/s on CPU
 run shared_opens.sh   # shared-storage opens per job, 1/2/4 nodes, without and with jobs/lib/stage
 run startup.sh        # start-up phases (launch .. first step) at 1, 2 and 4 nodes
+run recovery.sh       # a crashed node: restart on a spare vs requeue, crash to first step
 printf '\n== %s\n' flight_recorder.py  # torch's flight recorder on and off, per collective
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/flight_recorder.py"

@@ -1,0 +1,110 @@
+"""Which nodes of the job's allocation the training step runs on.
+
+With XSCALE_SPARES=S the job allocates its --nodes and the step runs on all but the last S of
+them; the spares wait. When a step fails and its report blames nodes, the supervisor relaunches
+the step at once without them, on the nodes that are left, spares first in, as long as enough
+are left for the same number of nodes (and so the same world size and global batch). The srun
+line gets the nodes and the task count as options right after `srun`, and the ranks their
+rendezvous on the first of those nodes (MASTER_ADDR). A step whose nodes were never changed
+runs exactly as the template wrote it.
+
+Standard library only, Python 3.6 and later: the batch host's system Python.
+"""
+
+import os
+import re
+
+from shared import hostlist
+
+
+class AllocationError(Exception):
+    """A setting that does not fit the allocation: one line and status 2."""
+
+
+def tasks_per_node(env):
+    """The job's tasks on each node: SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE when it is
+    the same on every node ("2(x4)"); None when the nodes differ."""
+    if (env.get("SLURM_NTASKS_PER_NODE") or "").isdigit():
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    counts = set(re.findall(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_TASKS_PER_NODE", "")))
+    return int(counts.pop()) if len(counts) == 1 else None
+
+
+class Allocation:
+    """The job's nodes in Slurm's order, the tasks per node, and which nodes the step uses."""
+
+    def __init__(self, nodes, per_node, spares, excluded=()):
+        self.nodes, self.per_node, self.spares = list(nodes), per_node, spares
+        self.needed = len(self.nodes) - spares
+        self.excluded = set(excluded)
+        self.moved = bool(spares or self.excluded)
+        healthy = [node for node in self.nodes if node not in self.excluded]
+        self.step_nodes = healthy[:self.needed]
+
+    @classmethod
+    def from_env(cls, env, spares, excluded=()):
+        try:
+            nodes = list(hostlist.expand(env.get("SLURM_JOB_NODELIST", "")))
+        except hostlist.HostlistError:
+            nodes = []
+        per_node = tasks_per_node(env)
+        if spares and (not nodes or spares >= len(nodes)):
+            raise AllocationError("XSCALE_SPARES=%d must be smaller than the job's %d nodes"
+                                  % (spares, len(nodes)))
+        if spares and per_node is None:
+            raise AllocationError("XSCALE_SPARES needs the same number of tasks on every node "
+                                  "(#SBATCH --ntasks-per-node)")
+        return cls(nodes, per_node, spares, excluded)
+
+    def without(self, blamed):
+        """Leave BLAMED out for the rest of the job; whether enough healthy nodes are left for
+        the step, which keeps its surviving nodes and takes spares in for the others."""
+        self.excluded |= set(blamed)
+        healthy = [node for node in self.nodes if node not in self.excluded]
+        if len(healthy) < self.needed or self.per_node is None:
+            return False
+        kept = [node for node in self.step_nodes if node not in self.excluded]
+        spares = [node for node in healthy if node not in kept]
+        chosen = set(kept + spares[:self.needed - len(kept)])
+        self.step_nodes = [node for node in self.nodes if node in chosen]
+        self.moved = True
+        return True
+
+    def command(self, command):
+        """COMMAND on the step's nodes: unchanged until spares or a restart move the step.
+
+        A restart also shares the nodes with the failed step (--overlap): when its ranks on the
+        healthy nodes ended before Slurm declared the dead node down, Slurm never completes that
+        step, and a new step waits for its CPUs for good ("step creation temporarily disabled
+        ... Requested nodes are busy"; seen on the test bed, and nebius/soperator#854)."""
+        if not self.moved or os.path.basename(command[0]) != "srun":
+            return list(command)
+        nodes = len(self.step_nodes)
+        options = ["--nodes=%d" % nodes, "--ntasks=%d" % (nodes * self.per_node),
+                   "--nodelist=" + hostlist.compress(self.step_nodes)]
+        if self.excluded:
+            options.append("--overlap")
+        return [command[0]] + options + list(command[1:])
+
+    def environment(self):
+        """The rendezvous on the step's first node, when the step moved."""
+        return {"MASTER_ADDR": self.step_nodes[0]} if self.moved and self.step_nodes else {}
+
+    def placement(self, env):
+        """rank -> node for the step (Slurm's block distribution)."""
+        if not self.moved:
+            try:
+                nodes = list(hostlist.expand(env.get("SLURM_JOB_NODELIST", "")))
+            except hostlist.HostlistError:
+                return {}
+            return hostlist.block_placement(nodes, env.get("SLURM_TASKS_PER_NODE", ""))
+        return {rank: node for index, node in enumerate(self.step_nodes)
+                for rank in range(index * self.per_node, (index + 1) * self.per_node)}
+
+    def layout(self, env):
+        """(the step's nodes as a hostlist, its tasks per node as SLURM_TASKS_PER_NODE writes
+        it), for the failure report."""
+        if not self.moved:
+            return env.get("SLURM_JOB_NODELIST", ""), env.get("SLURM_TASKS_PER_NODE", "")
+        return (hostlist.compress(self.step_nodes),
+                "%d(x%d)" % (self.per_node, len(self.step_nodes)))

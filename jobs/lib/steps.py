@@ -1,0 +1,123 @@
+"""One training step on the batch host: the srun line, its output, its signals and its watch.
+
+The step's output goes to the job's output as it comes and, copied, to its log; the stop signals
+the batch shell writes down (jobs/lib/supervise.sh) or this process receives are passed on to it;
+a watch for a hang (jobs/lib/hangs.py) reads the flight records the ranks leave in the step's
+own directory, XSCALE_FR_DIR; rank 0 notes its progress in XSCALE_PROGRESS for the goodput
+ledger (jobs/lib/goodput.py). Standard library only, Python 3.6 and later.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import hangs
+from shared import say
+
+STOP_SIGNALS = {signal.SIGUSR1: "USR1", signal.SIGTERM: "TERM"}
+COPY_DRAIN_S = 5  # how long the step's output may trail its end (a process it left behind)
+
+
+def record_stop(stop_file, name):
+    if stop_file:
+        with open(stop_file, "a") as handle:
+            handle.write(name + "\n")
+
+
+def stop_signals(stop_file):
+    """The stop signals the batch shell received so far, oldest first."""
+    try:
+        with open(stop_file) as handle:
+            return handle.read().split()
+    except (OSError, TypeError):
+        return []
+
+
+class Step:
+    """COMMAND (the srun line) logged to LOG, with ENV added to its environment and PLACEMENT
+    (rank -> node) for its hang watch."""
+
+    def __init__(self, command, log, stop_file, env, placement):
+        self.command, self.log, self.stop_file = command, log, stop_file
+        self.env, self.placement = env, placement
+        self.proc = None
+        self.forwarded = set()
+        self.fr_dir = step_file(log, ".fr")
+
+    def run(self):
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self.on_stop)
+        came = stop_signals(self.stop_file)
+        if came:
+            say("not starting the step: SIG%s came before it" % came[-1])
+            return 143 if came[-1] == "TERM" else 0
+        # The launch time, for the trainers' start-up phases (docs/STARTUP.md), in bash's
+        # EPOCHREALTIME form; only this step's environment holds it, so an srun typed later by
+        # hand reports its launch as unknown rather than this step's.
+        env = dict(os.environ, XSCALE_LAUNCH_T="%.6f" % time.time(), XSCALE_FR_DIR=self.fr_dir,
+                   XSCALE_PROGRESS=step_file(self.log, ".progress"), **self.env)
+        os.makedirs(self.fr_dir, exist_ok=True)
+        with open(self.log, "ab") as log:
+            try:
+                self.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT)
+            except OSError as error:
+                say("cannot start the step: %s: %s" % (self.command[0], error.strerror))
+                return 127
+            copier = threading.Thread(target=copy_output, args=(self.proc.stdout, log),
+                                      daemon=True)
+            copier.start()
+            # A signal the batch shell got while this program started found no step to pass
+            # it on to.
+            for name in sorted(set(stop_signals(self.stop_file))):
+                self.forward(getattr(signal, "SIG" + name))
+            watch = hangs.HangWatch(self.fr_dir, self.placement, self.command,
+                                    step_file(self.log, ".stack-rank"))
+            watch.start()
+            status = self.proc.wait()
+            watch.stop()
+            remove_if_empty(self.fr_dir)
+            # The output ends with the step, unless a process it left behind holds the pipe:
+            # then the log may miss that process's lines, not the step's.
+            copier.join(COPY_DRAIN_S)
+        return 128 - status if status < 0 else status
+
+    def on_stop(self, signum, frame):
+        """A stop signal from the batch shell, or from Slurm directly (scancel signals every
+        process of the batch step): recorded as the batch shell records its own, and passed on."""
+        record_stop(self.stop_file, STOP_SIGNALS[signum])
+        if self.proc is not None:
+            self.forward(signum)
+
+    def forward(self, signum):
+        """Each stop signal is passed on once: the trainers take it as a flag, and it may come
+        twice (from the batch shell, and from scancel to every process of the batch step)."""
+        if signum not in self.forwarded and self.proc.poll() is None:
+            self.forwarded.add(signum)
+            say("SIG%s received: the ranks save a checkpoint after this step and exit"
+                % STOP_SIGNALS[signum])
+            self.proc.send_signal(signum)
+
+
+def step_file(log, suffix):
+    """The step's other records, named after its log: runR-stepS.fr/ and so on."""
+    return log[:-len(".log")] + suffix
+
+
+def remove_if_empty(directory):
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass  # it holds the flight records of a failed step
+
+
+def copy_output(pipe, log):
+    out = sys.stdout.buffer
+    for chunk in iter(lambda: os.read(pipe.fileno(), 1 << 16), b""):
+        out.write(chunk)
+        out.flush()
+        log.write(chunk)
+        log.flush()

@@ -1,0 +1,211 @@
+"""How much of a long training campaign goes to training: requeue after each failure, or restart
+on spare nodes inside the allocation. `python -m xscale.goodput_model --nodes 256` for your job;
+`--table` prints docs/GOODPUT.md's table. The defaults, and where each comes from, are there.
+
+A campaign needs WORK seconds of training on NODES nodes. Each allocation starts with the job's
+start-up (to the first step), then trains, stalled CHECKPOINT seconds every Young's interval
+sqrt(2 x checkpoint x mean time between failures). Nodes fail at random (a Poisson process,
+FAILURES per node-hour); Slurm notices after DETECT seconds. A failure blamed on a node restarts
+the step at once on a spare while one is left (RELAUNCH, then the start-up again); any other
+failure, a failure with no spare left, and the time limit (WALL_HOURS, after a checkpoint) put
+the job back in the queue: Slurm's hold, the wait in the queue, a new allocation with all its
+spares again. The work since the last checkpoint is lost at each failure. Idle spares fail too.
+
+Out: the effective training time ratio (training / wall-clock time, queue waits included) and
+the goodput per node-hour (training node-hours / allocated node-hours, spares included: a spare
+is billed while it waits). Averaged over RUNS campaigns with the same random failures for every
+number of spares compared, so that the differences are the policy's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+from dataclasses import dataclass, replace
+
+HOUR, DAY = 3600.0, 86400.0
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    nodes: int = 1024
+    failures_per_node_hour: float = 419 / (54 * 24 * 2048)  # Llama 3: 419 in 54 days, 2,048 nodes
+    node_share: float = 321 / 419  # of those, blamed on a node (a GPU, the host, its maintenance)
+    checkpoint_s: float = 30.0
+    startup_s: float = 349.0  # docs/STARTUP.md's model at 1,024 nodes, from Lustre
+    detect_s: float = 300.0  # Slurm's default SlurmdTimeout
+    relaunch_s: float = 3.0
+    setup_s: float = 0.0  # the job script's work before its first step: staging, for one
+    hold_s: float = 120.0  # Slurm's BeginTime hold of a requeued job
+    queue_s: float = HOUR
+    wall_s: float = 2 * DAY  # LUMI standard-g's longest job
+    work_s: float = 30 * DAY
+
+    def mean_time_between_failures(self) -> float:
+        return HOUR / (self.failures_per_node_hour * self.nodes)
+
+    def checkpoint_interval(self) -> float:
+        return math.sqrt(2 * self.checkpoint_s * self.mean_time_between_failures())
+
+
+@dataclass
+class Campaign:
+    """One campaign's clocks, in seconds."""
+
+    wall: float = 0.0
+    node_seconds: float = 0.0
+    trained: float = 0.0
+
+
+def step(rng: random.Random, model: Assumptions, budget: float, left: float):
+    """One training step, from its launch: (seconds it ran, training it saved, how it ended:
+    'failure', 'limit' or 'done'). It ends at the first failure (during its start-up too), when
+    BUDGET (the allocation's time left) runs out, or with LEFT seconds of training done."""
+    interval = model.checkpoint_interval()
+    period = interval + model.checkpoint_s
+    failure = rng.expovariate(1 / model.mean_time_between_failures())
+    finish = model.startup_s + (left // interval) * period + left % interval
+    ran = min(failure, budget, finish)
+    trained_for = max(ran - model.startup_s, 0.0)
+    if ran == finish:
+        return ran, left, "done"
+    if ran == budget:  # the time limit's warning: a checkpoint of everything done, then requeue
+        return ran, min(trained_for - (trained_for // period) * model.checkpoint_s, left), "limit"
+    return ran, (trained_for // period) * interval, "failure"
+
+
+def allocation(rng: random.Random, model: Assumptions, spares: int, campaign: Campaign) -> None:
+    """One allocation, from its start to the requeue or the campaign's end. Each spare has its
+    own time of failure while it waits; a restart takes one that has not failed yet."""
+    hours = model.failures_per_node_hour / HOUR
+    spares_fail_at = [rng.expovariate(hours) for _ in range(spares)]
+    used = model.setup_s  # staging reaches the spares too: a restart needs none
+    while True:
+        ran, saved, ending = step(rng, model, max(model.wall_s - used, 0.0),
+                                  model.work_s - campaign.trained)
+        campaign.trained += saved
+        used += ran
+        if ending != "failure":
+            break
+        used += model.detect_s
+        healthy = [index for index, fails in enumerate(spares_fail_at) if fails > used]
+        if not healthy or rng.random() >= model.node_share:
+            break
+        del spares_fail_at[healthy[0]]
+        used += model.relaunch_s
+    campaign.wall += used
+    campaign.node_seconds += used * (model.nodes + spares)
+    if ending != "done":
+        campaign.wall += model.hold_s + model.queue_s
+
+
+def simulate(model: Assumptions, spares: int, runs: int, seed: int = 1) -> tuple[float, float]:
+    """(effective training time ratio, goodput per node-hour), averaged over RUNS campaigns."""
+    ratio = per_node_hour = 0.0
+    for run in range(runs):
+        rng, campaign = random.Random(seed * 100003 + run), Campaign()
+        while campaign.trained < model.work_s:
+            allocation(rng, model, spares, campaign)
+        ratio += model.work_s / campaign.wall
+        per_node_hour += model.work_s * model.nodes / campaign.node_seconds
+    return ratio / runs, per_node_hour / runs
+
+
+SPARE_CHOICES = (0, 1, 2, 4, 8, 16, 32, 64)
+ETTR_WITHIN = 0.01  # "the most ETTR": the fewest spares within a point of it
+
+
+def compare_spares(model: Assumptions, runs: int) -> dict[int, tuple[float, float]]:
+    return {spares: simulate(model, spares, runs) for spares in SPARE_CHOICES
+            if spares < model.nodes}
+
+
+def best(results: dict[int, tuple[float, float]], measure: int, within: float) -> int:
+    """The fewest spares within WITHIN of the best MEASURE (0: ETTR, 1: per node-hour): the
+    last spares add little, and the model's noise is a few tenths of a point."""
+    top = max(result[measure] for result in results.values())
+    return min(spares for spares, result in results.items() if result[measure] >= top - within)
+
+
+# docs/GOODPUT.md's rows: the start-up at each size is docs/STARTUP.md's model, from Lustre.
+TABLE_SIZES = ((64, 236.0), (1024, 349.0), (8192, 1174.0))
+
+
+def cell(spares: int, result: tuple[float, float]) -> str:
+    return f"{spares}: {result[0]:.1%} / {result[1]:.1%}"
+
+
+def size_table(runs: int) -> list[str]:
+    rows = ["| nodes | a failure every | checkpoint every | requeue only | spares for the most "
+            "ETTR | spares for the most per node-hour |", "|---|---|---|---|---|---|"]
+    for nodes, startup in TABLE_SIZES:
+        model = replace(Assumptions(), nodes=nodes, startup_s=startup)
+        results = compare_spares(model, runs)
+        for_time, for_hours = best(results, 0, ETTR_WITHIN), best(results, 1, 0.001)
+        rows.append(f"| {nodes:,} | {model.mean_time_between_failures() / HOUR:.1f} h "
+                    f"| {model.checkpoint_interval() / 60:.0f} min | {cell(0, results[0])} "
+                    f"| {cell(for_time, results[for_time])} "
+                    f"| {cell(for_hours, results[for_hours])} |")
+    return rows
+
+
+# What moves the 1,024-node figures: one assumption changed at a time.
+VARIANTS = (("as above", {}),
+            ("no wait in the queue", {"queue_s": 0.0}),
+            ("6 h in the queue", {"queue_s": 6 * HOUR}),
+            ("failure noticed in 30 s", {"detect_s": 30.0}),
+            ("start-up with Copper (194 s)", {"startup_s": 194.0}),
+            ("checkpoint stall 3 s", {"checkpoint_s": 3.0}),
+            ("inputs staged, 188 s a new allocation", {"setup_s": 188.0}))
+
+
+def variant_table(runs: int) -> list[str]:
+    rows = ["| 1,024 nodes | requeue only | spares for the most ETTR | spares for the most per "
+            "node-hour |", "|---|---|---|---|"]
+    for name, changes in VARIANTS:
+        results = compare_spares(replace(Assumptions(), **changes), runs)
+        for_time, for_hours = best(results, 0, ETTR_WITHIN), best(results, 1, 0.001)
+        rows.append(f"| {name} | {cell(0, results[0])} | {cell(for_time, results[for_time])} "
+                    f"| {cell(for_hours, results[for_hours])} |")
+    return rows
+
+
+def table(runs: int) -> str:
+    return "\n".join(size_table(runs) + [""] + variant_table(runs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xscale.goodput_model",
+                                     description=__doc__.splitlines()[0])
+    defaults = Assumptions()
+    for field, help_text in (("nodes", "nodes that train"),
+                             ("checkpoint_s", "seconds training stalls for a checkpoint"),
+                             ("startup_s", "seconds from a step's launch to its first step"),
+                             ("detect_s", "seconds until Slurm ends a step whose node died"),
+                             ("setup_s", "seconds of the job script's staging, each allocation"),
+                             ("queue_s", "seconds a requeued job waits in the queue")):
+        kind = int if field == "nodes" else float
+        parser.add_argument("--" + field.replace("_", "-"), type=kind,
+                            default=getattr(defaults, field), help=help_text)
+    parser.add_argument("--runs", type=int, default=40, help="campaigns to average")
+    parser.add_argument("--table", action="store_true", help="docs/GOODPUT.md's table")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.runs))
+        return 0
+    if args.nodes < 1 or args.runs < 1 or min(args.checkpoint_s, args.startup_s, args.detect_s,
+                                               args.setup_s, args.queue_s) < 0:
+        parser.error("--nodes and --runs must be at least 1, the seconds not negative")
+    model = replace(defaults, nodes=args.nodes, checkpoint_s=args.checkpoint_s,
+                    startup_s=args.startup_s, detect_s=args.detect_s, setup_s=args.setup_s,
+                    queue_s=args.queue_s)
+    for spares, (ratio, per_node_hour) in compare_spares(model, args.runs).items():
+        print(f"{spares:3d} spares: {ratio:6.1%} of the wall-clock time trains, "
+              f"{per_node_hour:6.1%} of the node-hours")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

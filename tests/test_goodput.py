@@ -1,0 +1,199 @@
+"""Spares and goodput without the cluster: which nodes a restarted step runs on
+(jobs/lib/allocation.py), what the job's time went to (jobs/lib/goodput.py), and the model of
+long campaigns in docs/GOODPUT.md (python/xscale/goodput_model.py).
+
+The restarts themselves, on a crashed node of the virtual cluster, are in tests/test_failures.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from xscale import goodput_model
+
+from tests.helpers import host_module
+
+allocation = host_module("allocation")
+goodput = host_module("goodput")
+
+FOUR_NODES = {"SLURM_JOB_NODELIST": "nid[001-004]", "SLURM_TASKS_PER_NODE": "2(x4)"}
+
+
+# ---- allocation -----------------------------------------------------------------------------
+
+def test_without_spares_the_step_runs_as_the_template_wrote_it():
+    nodes = allocation.Allocation.from_env(FOUR_NODES, spares=0)
+    command = ["srun", "--label", "python", "train.py"]
+    assert nodes.command(command) == command
+    assert nodes.environment() == {}
+    assert nodes.layout(FOUR_NODES) == ("nid[001-004]", "2(x4)")
+    assert nodes.placement(FOUR_NODES)[7] == "nid004"
+
+
+def test_a_spare_waits_and_takes_the_place_of_a_blamed_node():
+    nodes = allocation.Allocation.from_env(FOUR_NODES, spares=1)
+    assert nodes.command(["/usr/bin/srun", "--label", "python"]) == [
+        "/usr/bin/srun", "--nodes=3", "--ntasks=6", "--nodelist=nid[001-003]", "--label", "python"]
+    assert nodes.environment() == {"MASTER_ADDR": "nid001"}
+    # The rank-0 node fails: the survivors keep their places, the spare joins, the rendezvous
+    # moves to the first node of the new step.
+    assert nodes.without(["nid001"])
+    assert nodes.step_nodes == ["nid002", "nid003", "nid004"]
+    # Beside the failed step, which Slurm may never complete (allocation.py says why).
+    assert nodes.command(["srun", "python"]) == [
+        "srun", "--nodes=3", "--ntasks=6", "--nodelist=nid[002-004]", "--overlap", "python"]
+    assert nodes.environment() == {"MASTER_ADDR": "nid002"}
+    assert nodes.layout(FOUR_NODES) == ("nid[002-004]", "2(x3)")
+    assert nodes.placement(FOUR_NODES) == {0: "nid002", 1: "nid002", 2: "nid003", 3: "nid003",
+                                           4: "nid004", 5: "nid004"}
+    # No spare left: the step cannot keep its size, and the node stays out for the requeue.
+    assert not nodes.without(["nid003"])
+    assert nodes.excluded == {"nid001", "nid003"}
+
+
+def test_nodes_excluded_before_stay_out_of_a_later_step():
+    nodes = allocation.Allocation.from_env(FOUR_NODES, spares=1, excluded=["nid002"])
+    assert nodes.step_nodes == ["nid001", "nid003", "nid004"]
+
+
+def test_a_command_that_is_not_srun_is_left_alone():
+    nodes = allocation.Allocation.from_env(FOUR_NODES, spares=1)
+    assert nodes.command(["mpiexec", "-n", "6"]) == ["mpiexec", "-n", "6"]
+
+
+@pytest.mark.parametrize("env, spares, message", [
+    (FOUR_NODES, 4, "XSCALE_SPARES=4 must be smaller than the job's 4 nodes"),
+    ({"SLURM_JOB_NODELIST": "nid[001-003]", "SLURM_TASKS_PER_NODE": "2(x2),1"}, 1,
+     "XSCALE_SPARES needs the same number of tasks on every node (#SBATCH --ntasks-per-node)"),
+    ({}, 1, "XSCALE_SPARES=1 must be smaller than the job's 0 nodes"),
+])
+def test_spares_that_do_not_fit_the_job_are_a_user_error(env, spares, message):
+    with pytest.raises(allocation.AllocationError, match=message.replace("(", r"\(")
+                       .replace(")", r"\)")):
+        allocation.Allocation.from_env(env, spares)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"SLURM_NTASKS_PER_NODE": "8"}, 8),
+    ({"SLURM_TASKS_PER_NODE": "2(x4)"}, 2),
+    ({"SLURM_TASKS_PER_NODE": "2(x3),2"}, 2),
+    ({"SLURM_TASKS_PER_NODE": "2(x3),1"}, None),
+    ({}, None),
+])
+def test_tasks_per_node(env, expected):
+    assert allocation.tasks_per_node(env) == expected
+
+
+# ---- the goodput ledger ---------------------------------------------------------------------
+
+def events(*notes: tuple) -> list[dict]:
+    """(event, step, time[, stall_s]) tuples as rank 0 notes them (python/xscale/progress.py)."""
+    keys = ("event", "step", "time", "stall_s")
+    return [dict(zip(keys, note, strict=False)) for note in notes]  # stall_s: saves only
+
+
+# One run: a step that fails at t=70 after a checkpoint at step 10 (t=30) and progress to step 15
+# (t=40); the step restarted at t=75 resumes at step 11 and ends at step 20.
+FAILED = {"log": "s1", "launched": 0.0, "ended": 70.0, "status": 1}
+RESUMED = {"log": "s2", "launched": 75.0, "ended": 121.0, "status": 0}
+PROGRESS = {
+    "s1": events(("first_step", 1, 10.0), ("checkpoint", 10, 30.0, 1.0), ("interval", 15, 40.0)),
+    "s2": events(("first_step", 11, 90.0), ("end", 20, 120.0)),
+}
+
+
+def test_the_ledger_tells_training_from_start_up_checkpoints_lost_work_and_restarts():
+    run = {"started": 0.0, "ended": 125.0, "steps": [FAILED, RESUMED]}
+    book = goodput.ledger([run], lambda step: PROGRESS[step["log"]])
+    assert book["startup_s"] == 10 + 15
+    assert book["checkpoints_s"] == 1
+    assert book["training_s"] == (30 - 10 - 1) + (120 - 90)
+    assert book["lost_work_s"] == 40 - 30 and book["lost_steps"] == 5
+    # From the last sign of progress to the step's end (the failure being noticed), then to the
+    # next launch.
+    assert book["restarts_s"] == (70 - 40) + (75 - 70)
+    assert book["other_s"] == 125 - 120
+    assert book["goodput"] == pytest.approx(49 / 125)
+    assert goodput.line(book) == (
+        "39.2% of 2.1 min (start-up 20.0%, checkpoints 0.8%, lost work 8.0%, "
+        "restarts 28.0%, other 4.0%); 5 steps redone")
+
+
+def test_a_requeue_counts_its_wait_in_the_queue_apart_from_the_allocated_time():
+    first = {"started": 0.0, "ended": 72.0, "steps": [FAILED]}
+    second = {"started": 200.0, "ended": 250.0,
+              "steps": [dict(RESUMED, launched=200.0, ended=246.0)]}
+    resumed = events(("first_step", 11, 215.0), ("end", 20, 245.0))
+    book = goodput.ledger([first, second],
+                          lambda step: resumed if step["launched"] == 200.0 else PROGRESS["s1"])
+    assert book["allocated_s"] == 72 + 50 and book["queued_s"] == 200 - 72
+    assert book["restarts_s"] == 70 - 40  # no next step in the same allocation
+    assert goodput.line(book).endswith("; 5 steps redone; 2.1 min queued after requeues")
+
+
+def test_a_step_that_failed_before_its_first_step_is_all_start_up():
+    run = {"started": 0.0, "ended": 20.0,
+           "steps": [{"log": "s", "launched": 2.0, "ended": 18.0, "status": 1}]}
+    book = goodput.ledger([run], lambda step: [])
+    assert (book["startup_s"], book["training_s"], book["goodput"]) == (16.0, 0.0, 0.0)
+
+
+def test_progress_cut_short_by_a_dead_node_is_read_up_to_its_last_whole_line(tmp_path: Path):
+    notes = tmp_path / "run0-step1.progress"
+    first = {"event": "first_step", "step": 1, "time": 5.0}
+    notes.write_text(json.dumps(first) + '\n{"event": "in')
+    assert goodput.read_progress(str(notes)) == [first]
+    assert goodput.read_progress(str(tmp_path / "missing")) == []
+
+
+def test_the_ledger_is_written_whole(tmp_path: Path):
+    book = goodput.ledger([], lambda step: [])
+    assert goodput.line(book) == "unknown (no training step ran)"
+    path = goodput.write(str(tmp_path), book)
+    assert json.loads(Path(path).read_text()) == book
+
+
+# ---- the model (docs/GOODPUT.md) -------------------------------------------------------------
+
+def test_the_docs_tables_are_the_models_output():
+    doc = (Path(__file__).parent.parent / "docs" / "GOODPUT.md").read_text()
+    begin, end = "<!-- goodput-model-table: begin -->\n", "\n<!-- goodput-model-table: end -->"
+    published = doc[doc.index(begin) + len(begin):doc.index(end)]
+    assert published == goodput_model.table(runs=40)
+
+
+def test_without_failures_a_spare_only_costs_its_share_of_the_node_hours():
+    model = replace(goodput_model.Assumptions(nodes=64), failures_per_node_hour=1e-12)
+    ettr, per_node_hour = goodput_model.simulate(model, spares=0, runs=2)
+    ettr_spared, per_node_hour_spared = goodput_model.simulate(model, spares=4, runs=2)
+    assert ettr_spared == pytest.approx(ettr)
+    assert per_node_hour_spared == pytest.approx(per_node_hour * 64 / 68)
+    # Without failures a 48-hour allocation trains all but its start-up; each requeue at the
+    # time limit adds the hold and the wait in the queue.
+    allocations = math.ceil(model.work_s / (model.wall_s - model.startup_s))
+    assert per_node_hour == pytest.approx(model.work_s / (model.work_s
+                                                         + allocations * model.startup_s))
+
+
+def test_spares_turn_the_wait_in_the_queue_into_training_time():
+    model = goodput_model.Assumptions(nodes=1024)
+    requeue_only, with_spares = (goodput_model.simulate(model, spares, runs=8)
+                                 for spares in (0, 4))
+    assert with_spares[0] > requeue_only[0] + 0.05
+    no_queue = replace(model, queue_s=0.0)
+    assert goodput_model.simulate(no_queue, 0, runs=8)[0] > requeue_only[0] + 0.05
+
+
+def test_the_model_for_one_job_and_its_bad_input(capsys):
+    assert goodput_model.main(["--nodes", "16", "--runs", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["0", "1", "2", "4", "8"]
+    assert all("of the wall-clock time trains" in line for line in lines)
+    with pytest.raises(SystemExit) as stopped:
+        goodput_model.main(["--nodes", "0"])
+    assert stopped.value.code == 2
+    assert "--nodes and --runs must be at least 1" in capsys.readouterr().err
