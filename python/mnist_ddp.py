@@ -60,8 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="checkpoints (ckpt-STEP.pt) go here; a run resumes from the newest")
     parser.add_argument("--no-resume", dest="resume", action="store_false",
                         help="start from scratch even if --output-dir has checkpoints")
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                        help="also save every N steps (0: only at the end and on a stop signal)")
+    parser.add_argument("--checkpoint-every", type=checkpoint.every_argument, default=0,
+                        metavar="N", help="also save every N steps (0: only at the end and on a "
+                        "stop signal; auto: Young's interval from the first save's cost)")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
                         help="keep the newest K checkpoints")
     parser.add_argument("--log-every", type=int, default=10, metavar="N",

@@ -570,6 +570,12 @@ def test_lumi_mnist_runs(cluster, tmp_path, mnist_data):
                  env=virtual_env(tmp_path, DATA=str(mnist_data), BATCH_SIZE="16"))
     record = check_summary(job.output, "mnist", 4)
     check_startup_phases(record["startup"], rank_records(job.output))
+    # CHECKPOINT_EVERY=auto, as shipped: a timed save at the first log interval, then Young's
+    # interval for 2 nodes (docs/CHECKPOINTS.md), said once.
+    auto = re.findall(r"xscale: --checkpoint-every auto: every (\d+) steps .* on 2 node\(s\)",
+                      job.output)
+    assert len(auto) == 1 and int(auto[0]) >= 1, job.output[-3000:]
+    assert record["checkpoints_saved"] >= 1 and record["checkpoint_stall_s"] > 0, record
 
 
 def check_startup_phases(phases: dict, ranks: list[dict]) -> None:

@@ -217,13 +217,19 @@ def test_mnist_one_process_reads_gzip_in_torchvision_layout_and_saves_the_model(
     assert "conv1.weight" in weights  # mnist_DDP.py's state_dict file
 
 
-def test_mnist_resume_continues_exactly_where_it_stopped(mnist_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_mnist_resume_continues_exactly_where_it_stopped(mnist_dir, tmp_path, mode):
     base = [MNIST, "--data", str(mnist_dir), *MNIST_TINY]
-    first = run_ranks(2, *base, "--max-steps", "12", "--output-dir", str(tmp_path / "a"))
+    saves = {"XSCALE_CHECKPOINT_MODE": mode}
+    first = run_ranks(2, *base, "--max-steps", "12", "--checkpoint-every", "5", "--output-dir",
+                      str(tmp_path / "a"), extra=saves)
     assert first[0] == [0, 0], first[2]
     assert (tmp_path / "a" / "ckpt-000012.pt").is_file()
-    resumed = run_ranks(2, *base, "--max-steps", "20", "--output-dir", str(tmp_path / "a"))
-    straight = run_ranks(2, *base, "--max-steps", "20", "--output-dir", str(tmp_path / "b"))
+    assert summary(first[1])["checkpoints_saved"] == 3  # steps 5, 10 and the last, 12
+    resumed = run_ranks(2, *base, "--max-steps", "20", "--output-dir", str(tmp_path / "a"),
+                        extra=saves)
+    straight = run_ranks(2, *base, "--max-steps", "20", "--output-dir", str(tmp_path / "b"),
+                         extra=saves)
     assert resumed[0] == [0, 0] and straight[0] == [0, 0], resumed[2] + straight[2]
     record = summary(resumed[1])
     assert (record["start_step"], record["steps"]) == (12, 20)

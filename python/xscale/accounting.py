@@ -46,7 +46,8 @@ SUMMARY_FIELDS = (
     "start_step", "steps", "batch_size", "global_batch_size", "accumulation",
     "samples_per_s", "samples_per_s_per_rank", "tokens_per_s",
     "loss_first", "loss_last", "seconds", "train_seconds",
-    "stopped_early", "signal", "checkpoint", "startup", "straggler",
+    "stopped_early", "signal", "checkpoint", "checkpoint_stall_s", "checkpoints_saved",
+    "startup", "straggler",
 )
 
 

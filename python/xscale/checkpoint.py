@@ -2,19 +2,30 @@
 
 A job killed while saving (time limit, node failure, scancel) must not leave a file that the
 requeued job then tries to resume from. So rank 0 writes `ckpt-STEP.pt` under a temporary name
-in the same directory, flushes and fsyncs it, renames it into place (atomic on one file system,
-Lustre included) and fsyncs the directory so the rename itself is on disk. Only the last K are
-kept: ResNet-50 with its optimizer is ~200 MB a copy.
+in the same directory, flushes and fsyncs it, checks that the archive is whole, renames it into
+place (atomic on one file system, Lustre included) and fsyncs the directory so the rename itself
+is on disk. Only the last K are kept: ResNet-50 with its optimizer is ~200 MB a copy.
+
+The write runs in the background (XSCALE_CHECKPOINT_MODE=async, the default): training stops
+only while rank 0 copies the state to host memory (pinned, from a GPU), and the next save, or
+the end of the run, waits for the write before it. `sync` writes on the training thread, as
+xscale did before. `--checkpoint-every auto` takes Young's interval, sqrt(2 x save cost x mean
+time between failures), from the run's own first save (auto_interval).
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import random
 import re
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +38,51 @@ from xscale.lifecycle import UserError
 
 PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
 TEMP_PREFIX = ".ckpt-"
+MODES = ("async", "sync")
+# A node's mean time between failures: Meta's Llama 3 pretraining saw 419 unexpected
+# interruptions in 54 days on 2,048 nodes of 8 GPUs ("The Llama 3 Herd of Models",
+# arXiv:2407.21783, section 3.3.4). docs/GOODPUT.md uses the same figure.
+NODE_MTBF_H = 54 * 24 * 2048 / 419
+
+
+def checkpoint_mode(env: Mapping[str, str] = os.environ) -> str:
+    mode = env.get("XSCALE_CHECKPOINT_MODE", "async")
+    if mode not in MODES:
+        raise UserError(f"XSCALE_CHECKPOINT_MODE='{mode}' is neither async nor sync")
+    return mode
+
+
+def node_mtbf_hours(env: Mapping[str, str] = os.environ) -> float:
+    text = env.get("XSCALE_NODE_MTBF_H")
+    if text is None:
+        return NODE_MTBF_H
+    try:
+        hours = float(text)
+    except ValueError:
+        hours = -1.0
+    if not math.isfinite(hours) or hours <= 0:
+        raise UserError(f"XSCALE_NODE_MTBF_H='{text}' is not a positive number of hours")
+    return hours
+
+
+def every_argument(text: str) -> int | str:
+    """--checkpoint-every: a whole number of steps (0: only at the end), or `auto`."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"'{text}' is neither a whole number nor auto")
+    return int(text)
+
+
+def auto_interval(stall_s: float, write_s: float, step_s: float, nodes: int,
+                  node_mtbf_h: float) -> tuple[int, float, float]:
+    """(steps between saves, seconds, the job's mean time between failures in seconds).
+    Young's interval: sqrt(2 x the time a save stops training x the job's MTBF), which
+    balances the stalls against the work a failure throws away (J. W. Young, CACM 17(9), 1974);
+    at least the background write's own time, or each save would wait for the one before."""
+    job_mtbf_s = node_mtbf_h * 3600 / max(nodes, 1)
+    seconds = max(math.sqrt(2 * stall_s * job_mtbf_s), write_s)
+    return max(1, math.ceil(seconds / step_s)), seconds, job_mtbf_s
 
 
 def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
@@ -63,11 +119,21 @@ def atomic_save(obj: Any, path: Path, writer: Callable[[Any, Any], None] = torch
             writer(obj, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if writer is torch.save:
+            check_archive(Path(temp))
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def check_archive(path: Path) -> None:
+    """torch.save's zip archive, whole: its central directory (written last) lists the pickle.
+    Reading the directory, not every record, keeps the check to milliseconds."""
+    with zipfile.ZipFile(path) as archive:
+        if not any(name.endswith("/data.pkl") for name in archive.namelist()):
+            raise OSError(f"{path}: no data.pkl in the archive")
 
 
 def prune(output_dir: str | os.PathLike, keep: int) -> list[Path]:
@@ -225,18 +291,106 @@ def resume_training(output_dir: Path | None, model: nn.Module, optimizer: torch.
     return step
 
 
+def staged(value: Any, _copies: dict | None = None) -> Any:
+    """VALUE with its tensors copied to host memory, where training no longer changes them:
+    a device's tensors into pinned memory (the copy runs asynchronously; synchronise before
+    reading), the CPU's cloned. A tensor that appears twice (tied weights: GPT-neo's embedding
+    and output layer) is copied once, so that torch.save still writes it once."""
+    copies = {} if _copies is None else _copies
+    if isinstance(value, torch.Tensor):
+        key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+        if key not in copies:
+            copies[key] = host_copy(value.detach())
+        return copies[key]
+    if isinstance(value, dict):
+        return {key: staged(item, copies) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [staged(item, copies) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value  # numbers, strings and the RNG states' tuples: not changed in place
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type == "cpu":
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+class BackgroundWriter:
+    """One write at a time on a thread of its own. The run's end waits for it (Loop.finish); a
+    run that fails leaves through os._exit (xscale.lifecycle) and its write with it, unpublished:
+    the next run resumes from the checkpoint before."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_write_s = 0.0
+
+    def start(self, write: Callable[[], object]) -> None:
+        self.wait()
+
+        def run() -> None:
+            started = time.perf_counter()
+            try:
+                write()
+            except BaseException as error:  # raised again on the training thread, by wait()
+                self._error = error
+            self.last_write_s = time.perf_counter() - started
+
+        self._thread = threading.Thread(target=run, name="xscale-checkpoint-writer")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the write under way is published; its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+class TrainingSaver:
+    """save(step, epoch) for xscale.runtime.Loop: every rank gathers (the RNG states), rank 0
+    writes, in the background unless XSCALE_CHECKPOINT_MODE=sync; wait() until it is written."""
+
+    def __init__(self, output_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler | None, *, is_main: bool, keep: int,
+                 mode: str, extra: dict[str, Any]) -> None:
+        self.output_dir, self.model = output_dir, model
+        self.optimizer, self.scaler = optimizer, scaler
+        self.is_main, self.keep, self.mode, self.extra = is_main, keep, mode, extra
+        self.writer = BackgroundWriter()
+
+    def __call__(self, step: int, epoch: int) -> Path:
+        if self.is_main:
+            self.writer.wait()  # one copy of the state in host memory at a time
+        state = training_state(self.model, self.optimizer, step, epoch, self.scaler, **self.extra)
+        if self.is_main and self.mode == "sync":
+            save(self.output_dir, step, state, keep=self.keep)
+            self.writer.last_write_s = 0.0
+        elif self.is_main:
+            copy = staged(state)
+            if torch.accelerator.is_available():
+                torch.accelerator.synchronize()  # the pinned copies are complete
+            self.writer.start(lambda: save(self.output_dir, step, copy, keep=self.keep))
+        return checkpoint_path(self.output_dir, step)
+
+    def wait(self) -> None:
+        self.writer.wait()
+
+    @property
+    def last_write_s(self) -> float:
+        """How long rank 0's last background write took (0 in sync mode, and on other ranks)."""
+        return self.writer.last_write_s
+
+
 def training_saver(output_dir: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
                    scaler: torch.amp.GradScaler | None = None, *, is_main: bool, keep: int,
-                   **extra: Any) -> Callable[[int, int], Path] | None:
-    """save(step, epoch) for xscale.runtime.Loop: every rank gathers, rank 0 writes; None
-    without an output directory."""
+                   **extra: Any) -> TrainingSaver | None:
+    """The runtime Loop's saver; None without an output directory."""
     if output_dir is None:
         return None
-
-    def save_step(step: int, epoch: int) -> Path:
-        state = training_state(model, optimizer, step, epoch, scaler, **extra)
-        if is_main:
-            save(output_dir, step, state, keep=keep)
-        return checkpoint_path(output_dir, step)
-
-    return save_step
+    return TrainingSaver(output_dir, model, optimizer, scaler, is_main=is_main, keep=keep,
+                         mode=checkpoint_mode(), extra=extra)

@@ -125,6 +125,7 @@ class RunRecord(TrainerCallback):
         self.progress = progress.Progress(is_main)  # for the step supervisor's goodput ledger
         self._tokens_seen = 0
         self._step_ended = 0.0
+        self.stall_s, self.saves = 0.0, 0  # Trainer's saves: synchronous, on every rank
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Called after Trainer restored the checkpoint's state: global_step is where we resume.
@@ -148,8 +149,10 @@ class RunRecord(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         # Trainer saves right after the step's end (and its log or evaluation, if due): the
         # time since is how long the checkpoint held training up.
-        self.progress.note("checkpoint", state.global_step,
-                           stall_s=time.perf_counter() - self._step_ended)
+        stall_s = time.perf_counter() - self._step_ended
+        self.stall_s += stall_s
+        self.saves += 1
+        self.progress.note("checkpoint", state.global_step, stall_s=stall_s)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -187,7 +190,8 @@ def write_summary(ctx: DistContext, model: torch.nn.Module, trainer: str, starte
         stopped=stop.stopped_at is not None, checkpoint=checkpoint,
         batch_size=args.per_device_train_batch_size,
         accumulation=args.gradient_accumulation_steps, counts_tokens=True,
-        stragglers=stop.watch, **own)
+        stragglers=stop.watch, checkpoint_stall_s=record.stall_s,
+        checkpoints_saved=record.saves, **own)
 
 
 def checkpoint_written(output_dir: str, record: RunRecord) -> str | None:

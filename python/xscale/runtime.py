@@ -18,8 +18,10 @@ the same steps, so all vote at the same step, stop after it, save one checkpoint
 requeued job resumes from it. Slurm's warning comes minutes before the limit (the templates'
 `--signal=B:USR1@300`), ample for a few steps more.
 
-One checkpoint cadence for every trainer: every `checkpoint_every` steps when asked, at the end,
-and at a stop; never twice for the same step.
+One checkpoint cadence for every trainer: every `checkpoint_every` steps when asked (`auto`:
+Young's interval from the run's first save, xscale.checkpoint), at the end, and at a stop;
+never twice for the same step. The time saves hold training up, the written ones' wait
+included, is the summary's `checkpoint_stall_s`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from xscale import accounting, data, flight, lifecycle, profiling, progress, startup, stragglers
+from xscale import (
+    accounting,
+    checkpoint,
+    data,
+    flight,
+    lifecycle,
+    profiling,
+    progress,
+    startup,
+    stragglers,
+)
 from xscale.dist import DistContext, init_distributed
 
 # The summary's `seconds` run from here: the trainer's imports are done, nothing else is.
@@ -64,18 +76,25 @@ def first_step_done(device: torch.device) -> None:
     startup.mark("first_step")
 
 
-def vote_to_stop(reduce: Callable[..., dict[str, Any]] | None = None,
-                 watch: stragglers.StragglerWatch | None = None) -> bool:
-    """Whether any rank received a stop signal: a collective, all ranks at the same step.
-    `reduce(stop=flag, ...)` sums the flag over ranks along with other sums (TrainLog.flush); by
-    default it is one all_reduce. The straggler watch's vector travels in the same one."""
-    extra: dict[str, Any] = {"stop": 0.0 if lifecycle.stop_received() is None else 1.0}
+def vote(reduce: Callable[..., dict[str, Any]] | None = None,
+         watch: stragglers.StragglerWatch | None = None,
+         **shared: float) -> tuple[bool, dict[str, Any]]:
+    """Whether any rank received a stop signal, and SHARED summed over the ranks: a collective,
+    all ranks at the same step. `reduce(stop=flag, ...)` sums the flag over ranks along with
+    other sums (TrainLog.flush); by default it is one all_reduce. The straggler watch's vector
+    travels in the same one."""
+    extra: dict[str, Any] = {"stop": 0.0 if lifecycle.stop_received() is None else 1.0, **shared}
     if watch is not None:
         extra["work"] = watch.contribution()
     sums = accounting.all_reduce_sums(extra) if reduce is None else reduce(**extra)
     if watch is not None:
         watch.observe(sums["work"])
-    return sums["stop"] > 0
+    return sums["stop"] > 0, {name: sums[name] for name in shared}
+
+
+def vote_to_stop(reduce: Callable[..., dict[str, Any]] | None = None,
+                 watch: stragglers.StragglerWatch | None = None) -> bool:
+    return vote(reduce, watch)[0]
 
 
 def stop_message(prog: str, step: int, saved: object | None) -> str:
@@ -89,13 +108,14 @@ class Loop:
     """This rank's training loop bookkeeping, from `start_step` to `end_step` (None: unbounded).
 
     save(step, epoch) writes a checkpoint (a collective where the trainer's checkpoint is) and
-    returns where; None when the run has no output directory. With `model`, its own work per
-    step is watched for a straggler (xscale.stragglers).
+    returns where; None when the run has no output directory. A save that writes in the
+    background also has wait() and last_write_s (xscale.checkpoint.TrainingSaver). With `model`,
+    its own work per step is watched for a straggler (xscale.stragglers).
     """
 
     def __init__(self, ctx: DistContext, trainer: str, prog: str, *, start_step: int,
                  end_step: int | None, per_epoch: int, sync_every: int,
-                 save: Callable[[int, int], Path] | None, checkpoint_every: int = 0,
+                 save: Callable[[int, int], Path] | None, checkpoint_every: int | str = 0,
                  resumed: bool = False, accumulation: int = 1, batch_size: int,
                  tensorboard_dir: Path | None = None, warmup_steps: int = 1,
                  model: nn.Module | None = None) -> None:
@@ -104,7 +124,13 @@ class Loop:
         self.start_step = self.step = start_step
         self.end_step, self.per_epoch = end_step, per_epoch
         self.epoch = start_step // per_epoch
-        self.save_fn, self.checkpoint_every = save, checkpoint_every
+        self.save_fn = save
+        self.auto_every = checkpoint_every == "auto"
+        self.checkpoint_every = 0 if self.auto_every else int(checkpoint_every)
+        checkpoint.checkpoint_mode()  # a bad setting stops the run before its first step
+        self.node_mtbf_h = checkpoint.node_mtbf_hours()
+        self.stall_s, self.saves = 0.0, 0
+        self._first_step_at: float | None = None
         self.accumulation, self.batch_size = accumulation, batch_size
         self.saved_step = start_step if resumed else None
         self.saved_path: Path | None = None
@@ -169,6 +195,7 @@ class Loop:
         if self.step == self.start_step + 1:
             first_step_done(self.ctx.device)
             self.progress.note("first_step", self.step)
+            self._first_step_at = time.perf_counter()
         self.log.advance()
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self._save()
@@ -183,18 +210,60 @@ class Loop:
 
     def _vote(self) -> None:
         self._voted_at = self.step
-        if vote_to_stop(self.log.flush, self.stragglers):
+        stop, shared = vote(self.log.flush, self.stragglers, **self._propose_interval())
+        if "every" in shared:  # rank 0's proposal; the others added 0
+            self.checkpoint_every, self.auto_every = int(shared["every"]), False
+        if stop:
             self.stopped = True
         self.progress.note("interval", self.step)
 
-    def _save(self) -> None:
-        """The checkpoint of this step, once; how long it held training up goes to the
-        progress notes (a collective save: every rank waits as long as the slowest)."""
-        if self.save_fn is not None and self.saved_step != self.step:
+    def _propose_interval(self) -> dict[str, float]:
+        """With --checkpoint-every auto, at the first vote after a timed step: a save now, and
+        rank 0's interval from what it cost (checkpoint.auto_interval), which the vote's
+        all-reduce hands to every rank."""
+        timed_steps = self.step - self.start_step - 1
+        if not self.auto_every or self.save_fn is None or timed_steps < 1 \
+                or self._first_step_at is None:
+            return {}
+        step_s = (time.perf_counter() - self._first_step_at) / timed_steps
+        stall_s = self._save()
+        self._wait_for_writes()
+        if not self.ctx.is_main:
+            return {"every": 0.0}
+        write_s = getattr(self.save_fn, "last_write_s", 0.0)
+        every, seconds, job_mtbf_s = checkpoint.auto_interval(
+            stall_s, write_s, step_s, self.ctx.nnodes, self.node_mtbf_h)
+        self.log.message(
+            f"xscale: --checkpoint-every auto: every {every} steps ({seconds:.1f} s): a save "
+            f"stops training {stall_s:.3f} s and writes for {write_s:.3f} s, a step takes "
+            f"{step_s:.3f} s, a failure comes every {job_mtbf_s / 3600:,.0f} h on "
+            f"{self.ctx.nnodes} node(s) ({self.node_mtbf_h:,.0f} h per node)")
+        return {"every": float(every)}
+
+    def _save(self) -> float:
+        """The checkpoint of this step, once; how long it held training up (0 if none) goes to
+        the progress notes (a collective save: every rank waits as long as the slowest)."""
+        if self.save_fn is None or self.saved_step == self.step:
+            return 0.0
+        started = time.perf_counter()
+        self.saved_path = self.save_fn(self.step, self.epoch)
+        self.saved_step = self.step
+        stall_s = time.perf_counter() - started
+        self.stall_s += stall_s
+        self.saves += 1
+        self.progress.note("checkpoint", self.step, stall_s=stall_s)
+        return stall_s
+
+    def _wait_for_writes(self) -> None:
+        """Until the background write is published; the wait is a stall too (and goes to the
+        progress notes as one, for the goodput ledger)."""
+        wait = getattr(self.save_fn, "wait", None)
+        if wait is not None:
             started = time.perf_counter()
-            self.saved_path = self.save_fn(self.step, self.epoch)
-            self.saved_step = self.step
-            self.progress.note("checkpoint", self.step, stall_s=time.perf_counter() - started)
+            wait()
+            waited = time.perf_counter() - started
+            self.stall_s += waited
+            self.progress.note("checkpoint", self.step, stall_s=waited)
 
     # ---- the end --------------------------------------------------------------------------
 
@@ -207,6 +276,7 @@ class Loop:
             self._vote()
         self.log.close()
         self._save()
+        self._wait_for_writes()
         self.progress.note("end", self.step)
         if self.stopped and self.ctx.is_main:
             print(stop_message(self.prog, self.step, self.saved_path), flush=True)
@@ -219,7 +289,8 @@ class Loop:
                       loss_first=self.log.loss_first, loss_last=self.log.loss_last,
                       stopped=self.stopped, checkpoint=self.saved_path,
                       batch_size=self.batch_size, accumulation=self.accumulation,
-                      counts_tokens=False, stragglers=self.stragglers, **own)
+                      counts_tokens=False, stragglers=self.stragglers,
+                      checkpoint_stall_s=self.stall_s, checkpoints_saved=self.saves, **own)
 
 
 def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: float,
@@ -227,6 +298,7 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
                   loss_first: float | None, loss_last: float | None, stopped: bool,
                   checkpoint: object | None, batch_size: int, accumulation: int,
                   counts_tokens: bool, stragglers: stragglers.StragglerWatch | None = None,
+                  checkpoint_stall_s: float = 0.0, checkpoints_saved: int = 0,
                   **own: Any) -> None:
     """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer."""
     rates = meter.reduced()
@@ -253,6 +325,8 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "stopped_early": stopped,
         "signal": lifecycle.signal_name(lifecycle.stop_received()),
         "checkpoint": checkpoint,
+        "checkpoint_stall_s": round(checkpoint_stall_s, 3),
+        "checkpoints_saved": checkpoints_saved,
         "startup": started_up,
         "straggler": None if stragglers is None else stragglers.summary(),
     }

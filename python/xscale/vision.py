@@ -15,7 +15,7 @@ import torchvision
 from torch import nn
 from torchvision import datasets, transforms
 
-from xscale import staging
+from xscale import checkpoint, staging
 from xscale.dist import DistContext
 from xscale.lifecycle import UserError
 
@@ -68,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, workers_per: str) -> None:
                         help="checkpoints go here; a run resumes from the newest")
     parser.add_argument("--no-resume", dest="resume", action="store_false",
                         help="start from scratch even if --output-dir has checkpoints")
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                        help="also save every N steps (0: at the end and on a stop signal)")
+    parser.add_argument("--checkpoint-every", type=checkpoint.every_argument, default=0,
+                        metavar="N", help="also save every N steps (0: at the end and on a stop "
+                        "signal; auto: Young's interval from the first save's cost)")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="K")
     parser.add_argument("--logging-dir", type=Path, default=None,
                         help="TensorBoard directory (default: OUTPUT_DIR/tb)")

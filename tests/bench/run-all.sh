@@ -22,3 +22,5 @@ run startup.sh        # start-up phases (launch .. first step) at 1, 2 and 4 nod
 run recovery.sh       # a crashed node: restart on a spare vs requeue, crash to first step
 printf '\n== %s\n' flight_recorder.py  # torch's flight recorder on and off, per collective
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/flight_recorder.py"
+printf '\n== %s\n' checkpoint.py  # what a save holds training up, sync vs async
+"$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/checkpoint.py"

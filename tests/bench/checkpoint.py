@@ -1,0 +1,111 @@
+"""How long a checkpoint holds training up: XSCALE_CHECKPOINT_MODE=sync against async, through
+the trainers' own saver (xscale.checkpoint.TrainingSaver), one process on this machine's CPU,
+writing to build/bench-checkpoint in the checkout. Models with their optimizer state after one
+step: imagenet.py's resnet50 with SGD and momentum, the GPT-neo test fixture (tests/fixtures/
+tiny_gpt_neo.py) and a GPT-neo-125M-shaped model (random weights) with AdamW. Per round, one
+save in each mode, interleaved; medians over the rounds. "blocks": the save call, which is all
+training waits for; "writes": the background write that follows (async only).
+
+    python tests/bench/checkpoint.py [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "python"), str(REPO)]
+
+from xscale import checkpoint  # noqa: E402
+
+
+def resnet50() -> tuple[nn.Module, torch.optim.Optimizer]:
+    import torchvision
+
+    model = torchvision.models.resnet50()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def gpt_neo(hidden: int, layers: int, heads: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    config = GPTNeoConfig(vocab_size=50257, max_position_embeddings=2048, hidden_size=hidden,
+                          num_layers=layers, num_heads=heads,
+                          attention_types=[[["global", "local"], layers // 2]])
+    model = GPTNeoForCausalLM(config)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def fixture_gpt_neo() -> tuple[nn.Module, torch.optim.Optimizer]:
+    from tests.fixtures import tiny_gpt_neo
+
+    model = tiny_gpt_neo.build_model(tiny_gpt_neo.build_tokenizer(["a tiny corpus"] * 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+MODELS = {"resnet50 + SGD": resnet50,
+          "GPT-neo fixture + AdamW": fixture_gpt_neo,
+          "GPT-neo-125M shape + AdamW": lambda: gpt_neo(768, 12, 12)}
+
+
+def one_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Fill the optimizer's state, as a checkpoint in training holds it."""
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+
+
+def state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """The state's size, each storage once (tied weights)."""
+    tensors = list(model.state_dict().values()) + [
+        value for state in optimizer.state_dict()["state"].values() for value in state.values()
+        if isinstance(value, torch.Tensor)]
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+                for tensor in tensors}
+    return sum(storages.values()) / 1e6
+
+
+def timed_save(saver: checkpoint.TrainingSaver, step: int) -> tuple[float, float]:
+    started = time.perf_counter()
+    saver(step, 0)
+    blocked = time.perf_counter() - started
+    saver.wait()
+    return blocked, saver.last_write_s
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    work = REPO / "build" / "bench-checkpoint"
+    print(f"{'model':28s} {'state':>9s} {'sync blocks':>12s} {'async blocks':>13s} "
+          f"{'async writes':>13s}")
+    for name, build in MODELS.items():
+        model, optimizer = build()
+        one_step(model, optimizer)
+        times: dict[str, list[tuple[float, float]]] = {"sync": [], "async": []}
+        for round_index in range(args.rounds):
+            for mode in times:
+                shutil.rmtree(work, ignore_errors=True)
+                saver = checkpoint.TrainingSaver(work, model, optimizer, None, is_main=True,
+                                                 keep=1, mode=mode, extra={})
+                times[mode].append(timed_save(saver, round_index + 1))
+        sync, asynchronous = (statistics.median(blocked for blocked, _ in times[mode])
+                              for mode in ("sync", "async"))
+        writes = statistics.median(written for _, written in times["async"])
+        print(f"{name:28s} {state_mb(model, optimizer):7.0f} MB {sync:10.3f} s {asynchronous:11.3f}"
+              f" s {writes:11.3f} s")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
