@@ -27,7 +27,8 @@ TYPES = {
     "accumulation": int, "samples_per_s": float, "samples_per_s_per_rank": float,
     "tokens_per_s": (float, None), "loss_first": float, "loss_last": float, "seconds": float,
     "train_seconds": float, "stopped_early": bool, "signal": (str, None),
-    "checkpoint": (str, None), "startup": dict, "straggler": (dict, None),
+    "checkpoint": (str, None), "checkpoint_stall_s": float, "checkpoints_saved": int,
+    "startup": dict, "straggler": (dict, None),
 }
 
 
@@ -80,6 +81,8 @@ def test_every_trainer_writes_the_one_summary_schema(commands):
                 value, tuple(k for k in kinds if k is not None)), (trainer, field, value)
         assert (record["trainer"], record["steps"], record["stopped_early"]) == (trainer, 3, False)
         assert Path(record["checkpoint"]).exists(), (trainer, record["checkpoint"])
+        # The last step's save, at least, and what it held training up.
+        assert record["checkpoints_saved"] >= 1 and record["checkpoint_stall_s"] >= 0, record
         assert (record["tokens_per_s"] is not None) == (trainer == "gpt_neo_imdb"), trainer
         assert record["global_batch_size"] == record["batch_size"] * record["accumulation"]
         check_startup(trainer, record["startup"])

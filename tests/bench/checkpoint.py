@@ -6,13 +6,19 @@ tiny_gpt_neo.py) and a GPT-neo-125M-shaped model (random weights) with AdamW. Pe
 save in each mode, interleaved; medians over the rounds. "blocks": the save call, which is all
 training waits for; "writes": the background write that follows (async only).
 
+Then whether spreading the write over the ranks pays: 2 and 4 gloo ranks holding the same
+resnet50 state (DDP's case), torch.distributed.checkpoint.save by every rank (its planner gives
+each rank a part) against torch.save by rank 0, interleaved, medians.
+
     python tests/bench/checkpoint.py [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import socket
 import statistics
 import sys
 import time
@@ -81,6 +87,48 @@ def timed_save(saver: checkpoint.TrainingSaver, step: int) -> tuple[float, float
     return blocked, saver.last_write_s
 
 
+def spread_rank(rank: int, world: int, port: int, work: Path, rounds: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(0)
+    model, optimizer = resnet50()
+    one_step(model, optimizer)
+    times: dict[str, list[float]] = {"every rank": [], "rank 0": []}
+    for round_index in range(rounds):
+        for how, seconds in times.items():
+            target = work / f"{how.replace(' ', '-')}-{round_index}"
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            dist.barrier()
+            started = time.perf_counter()
+            if how == "every rank":
+                dcp.save(state, checkpoint_id=str(target))
+            elif rank == 0:
+                checkpoint.atomic_save(state, target / "ckpt.pt")
+            dist.barrier()
+            seconds.append(time.perf_counter() - started)
+    if rank == 0:
+        print(f"{world} ranks: every rank (torch.distributed.checkpoint) "
+              f"{statistics.median(times['every rank']):.3f} s, rank 0 (torch.save) "
+              f"{statistics.median(times['rank 0']):.3f} s")
+    dist.destroy_process_group()
+
+
+def spread(world: int, work: Path, rounds: int) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    mp.spawn(spread_rank, args=(world, port, work, rounds), nprocs=world)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -104,6 +152,9 @@ def main() -> int:
         print(f"{name:28s} {state_mb(model, optimizer):7.0f} MB {sync:10.3f} s {asynchronous:11.3f}"
               f" s {writes:11.3f} s")
     shutil.rmtree(work, ignore_errors=True)
+    print("\nresnet50 + SGD on several ranks, one save of the same state:")
+    for world in (2, 4):
+        spread(world, work, args.rounds)
     return 0
 
 
