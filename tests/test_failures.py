@@ -92,7 +92,7 @@ def start_endless_training(cluster, data: Path, tmp_path: Path,
            "EPOCHS": "100000", "CHECKPOINT_EVERY": "4", "OMP_NUM_THREADS": "1", **env}
     job_id = cluster.submit(MNIST_JOB, env=env, output=output,
                             sbatch_options=(f"--chdir={REPO}", *sbatch_options))
-    wait_for(lambda: (out_dir / "ckpt-000004.pt").exists(), 240, "training to be under way")
+    wait_for(lambda: any(out_dir.glob("ckpt-*.pt")), 240, "training to be under way")
     return job_id, output
 
 
@@ -274,7 +274,7 @@ def test_a_run_killed_during_a_background_write_resumes_from_the_checkpoint_befo
     job_id = cluster.submit(MNIST_JOB, env=env, output=output,
                             sbatch_options=(f"--chdir={REPO}",))
     try:
-        wait_for(lambda: (out_dir / "ckpt-000010.pt").exists() and writes_under_way(out_dir),
+        wait_for(lambda: any(out_dir.glob("ckpt-*.pt")) and writes_under_way(out_dir),
                  240, "a published checkpoint and the next one being written")
         for pid in [rank_pid(job_id, rank) for rank in range(4)]:
             os.kill(pid, signal.SIGKILL)
@@ -484,7 +484,7 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
                             env=job_env, output=output,
                             sbatch_options=(*VIRTUAL, "--nodes=2", "--nodelist=nid[001-002]"))
     try:
-        wait_for(lambda: (out_dir / "ckpt-000004.pt").exists(), 240, "training to be under way")
+        wait_for(lambda: any(out_dir.glob("ckpt-*.pt")), 240, "training to be under way")
         victim = rank_pid(job_id, 3)
         assert job_processes(job_id)[victim]["SLURMD_NODENAME"] == "nid002"
         frozen_at = time.monotonic()
@@ -576,8 +576,7 @@ def test_a_second_crash_with_one_spare_falls_back_to_the_requeue(cluster, mnist_
                                                   MAX_STEPS="100000")
     with crashing(cluster, job_id) as crash:
         nodes = job_nodes(job_id)
-        wait_for(lambda: (out_dir / f"ckpt-{SPARE_EVERY:06d}.pt").exists(), 240,
-                 "the first checkpoint")
+        wait_for(lambda: any(out_dir.glob("ckpt-*.pt")), 240, "the first checkpoint")
         crash(nodes[1])
         wait_for(lambda: "xscale: restart 1 of 3" in output.read_text(), 180, "the restart")
         wait_for(lambda: (out_dir / "xscale-records" / "run0-step2.progress").exists(), 240,
