@@ -24,8 +24,6 @@ import subprocess
 import threading
 import time
 
-from shared import hostlist
-
 RECORD = re.compile(r"^rank(\d+)$")
 RELEASED = "released"  # python/xscale/flight.py waits for it
 POLL_S = 0.5
@@ -243,11 +241,3 @@ def read_stack_file(path):
         return lines[:STACK_LINES]
     return lines[threads[0]:threads[1]][:STACK_LINES]
 
-
-def placement(env):
-    """rank -> node of the step, from the job's layout (Slurm's default block distribution)."""
-    try:
-        nodes = list(hostlist.expand(env.get("SLURM_JOB_NODELIST", "")))
-    except hostlist.HostlistError:
-        return {}
-    return hostlist.block_placement(nodes, env.get("SLURM_TASKS_PER_NODE", ""))
