@@ -601,9 +601,19 @@ def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):
     script = job_script(tmp_path, "blamed.sh", f"""
         export XSCALE_RETRY=1 XSCALE_MAX_RETRIES=1 XSCALE_BLAME=lumi
         export XSCALE_RECORDS_DIR={tmp_path}/records
+        # The rank exits once srun has passed its line on to the step's log: exiting at once,
+        # it lost the race with srun ending the step on its exit (the line never came, once).
+        wait_for_the_line() {{
+          local log=$XSCALE_RECORDS_DIR/run${{SLURM_RESTART_COUNT:-0}}-step1.log
+          for _ in {{1..300}}; do
+            grep -qF "HW Exception" "$log" 2>/dev/null && return
+            sleep 0.1
+          done
+        }}
+        export -f wait_for_the_line
         source {REPO}/jobs/lib/supervise.sh
         requeueable_step srun --label --kill-on-bad-exit=1 bash -c \\
-          'if ((SLURM_PROCID == 1)); then echo "{line}"; exit 1; fi; sleep 60'
+          'if ((SLURM_PROCID == 1)); then echo "{line}"; wait_for_the_line; exit 1; fi; sleep 60'
         """)
     output = tmp_path / "job.out"
     job_id = cluster.submit(script, output=output, sbatch_options=(
