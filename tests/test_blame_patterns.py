@@ -6,7 +6,6 @@ from __future__ import annotations
 import configparser
 import ipaddress
 import re
-from pathlib import Path
 
 import pytest
 
@@ -187,11 +186,3 @@ def test_examples_blame_what_they_should():
 def test_knock_on_and_user_bug_lines_match_no_pattern(line):
     hits = [ids(item) for item in ALL if re.search(item[2]["match"], line)]
     assert hits == [], line
-
-
-def test_readme_documents_the_format():
-    readme = (BLAME_DIR / "README.md").read_text(encoding="utf-8")
-    for word in ("interpolation=None", "(?P<node>", "(?P<addr>", "example", "source", "why",
-                 "tests/test_blame_patterns.py"):
-        assert word in readme, word
-    assert Path(BLAME_DIR / "README.md").stat().st_size < 6000

@@ -88,9 +88,6 @@ def test_lumi_definition_extends_the_workshop_image_in_its_conda_environment():
     post = sections(lumi)["post"]
     activate = post.index("$WITH_CONDA")
     assert activate < min(i for i, line in enumerate(post) if line.startswith("pip install"))
-    # The unprivileged build route on LUMI is documented where users look first.
-    text = lumi.read_text()
-    assert "proot" in text and "module load LUMI systools" in text
 
 
 def test_nvidia_definition_starts_from_ngc():
@@ -112,7 +109,6 @@ def test_cotainr_environment_parses_and_names_the_packages():
     # ROCm wheels, not PyPI's CUDA ones.
     assert any("download.pytorch.org/whl/rocm" in item for item in pip)
     assert all("+rocm" in item for item in pip if item.split("==")[0] in {"torch", "torchvision"})
-    assert "cotainr build" in path.read_text()
 
 
 def run_build(work: Path, path_dirs: list[Path], *args: str, as_user: bool = False):
@@ -238,12 +234,6 @@ def test_constraints_pin_what_the_trainers_need_and_leave_torch_to_each_image():
     assert NEEDED <= set(pinned), NEEDED - set(pinned)
     # A torch constraint the image's ROCm/CUDA build does not meet would make pip replace it.
     assert not {"torch", "torchvision"} & set(pinned)
-    # Which torch each image ships is written down next to the pins.
-    text = CONSTRAINTS.read_text()
-    for image in ("lumi-pytorch-rocm-6.2.4-python-3.12-pytorch-v2.7.1.sif",
-                  "lumi-pytorch-rocm-6.1.3-python-3.12-pytorch-v2.4.1.sif",
-                  "nvcr.io/nvidia/pytorch:25.01-py3"):
-        assert image in text, image
 
 
 @pytest.mark.parametrize("def_file", DEF_FILES, ids=lambda p: p.name)
@@ -276,13 +266,17 @@ def test_cotainr_environment_repeats_the_constraints():
 
 
 def test_the_test_venv_is_the_constrained_stack():
-    """The unit tests run against the versions the images get (constraints.txt). `make setup`
-    reinstalls only when a requirements file changes, so a stale venv shows up here."""
+    """The unit tests run against the versions the images get (constraints.txt): every pin is
+    installed, at its version. `make setup` reinstalls only when a requirements file changes, so
+    a stale venv, or a pin added without its requirement, shows up here."""
     from importlib import metadata
 
-    for name, version in constraint_pins().items():
+    def installed(name: str) -> str | None:
         try:
-            installed = metadata.version(name)
+            return metadata.version(name)
         except metadata.PackageNotFoundError:
-            continue  # not part of the venv (none today; the images install what they need)
-        assert installed == version, (name, installed, version)
+            return None
+
+    wrong = {name: (installed(name), version) for name, version in constraint_pins().items()
+             if installed(name) != version}
+    assert wrong == {}, f"installed vs pinned: {wrong}"

@@ -35,14 +35,13 @@ SOCKET_LOG = "nid003:1:2 [0] NCCL INFO NET/Socket : Using [0]hsn0:10.77.0.13<0>\
 
 
 def doctor_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """LUMI's profile on the test bed: its one NIC instead of four, a /tmp of 512 MiB, a fake
-    aws-ofi-rccl library file, torch reporting Slurm's GPUs."""
+    """LUMI's profile on the test bed: its one NIC instead of four, a fake aws-ofi-rccl library
+    file, torch reporting Slurm's GPUs. The doctor's own defaults otherwise (the /tmp floor too)."""
     plugin_dir = tmp_path / "plugin"
     plugin_dir.mkdir(exist_ok=True)
     (plugin_dir / "librccl-net.so").touch()
     env = {"XSCALE_SITE": "lumi", "NCCL_SOCKET_IFNAME": "hsn0", "LD_LIBRARY_PATH": str(plugin_dir),
-           "PYTHONPATH": FAKE_TORCH_GPUS, "XSCALE_DOCTOR_MIN_FREE_GB": "0.1",
-           "XSCALE_DOCTOR_TIMEOUT_S": "10"}
+           "PYTHONPATH": FAKE_TORCH_GPUS, "XSCALE_DOCTOR_TIMEOUT_S": "10"}
     env.update(extra)
     return env
 

