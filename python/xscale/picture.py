@@ -26,6 +26,9 @@ RIGHT = 30
 HEADER = 56  # title and legend
 FOOTER = 40  # the seconds axis
 LARGEST_PICTURE_ROWS = 4000  # pixels of rows at most: 8,192 nodes get one pixel each
+# Pillow's default font is FreeType's Aileron when Pillow has FreeType (it does from wheels); at
+# its default 10 pixels the hinted spaces shrink to nothing ("itsslowest"): 13 keeps them.
+FONT_PIXELS = 13
 
 
 def row_height(nodes: int) -> int:
@@ -48,13 +51,13 @@ def draw_startup(records: list[RankPhases]) -> Image.Image:
     scale = (WIDTH - LABELS - RIGHT) / longest  # pixels per second
     image = Image.new("RGB", (WIDTH, HEADER + height * len(rows) + FOOTER), BACKGROUND)
     draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default()
+    font = ImageFont.load_default(size=FONT_PIXELS)
     _header(draw, font, records, len(rows))
     _axis(draw, font, longest, scale, HEADER + height * len(rows))
     for index, row in enumerate(rows):
         top = HEADER + index * height
-        if height >= 12:
-            draw.text((6, top + (height - 11) // 2), row.node[:18], fill=INK, font=font)
+        if height >= FONT_PIXELS + 2:  # thinner rows: a name would overlap the next one's
+            draw.text((6, top + (height - FONT_PIXELS) // 2), row.node[:16], fill=INK, font=font)
         _bar(draw, row, top, height, scale)
     return image
 
