@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
 # Shared-storage opens per job, without and with jobs/lib/stage: how many times files and
 # directories under a Python environment on shared storage are opened while 1, 2 and 4 nodes x
-# 2 ranks import it, import torch and take one DDP step (tests/bench/ddp_step.py). A count, not a
-# time: the virtual cluster's noise (2 CPUs for every node) does not blur it.
+# 2 ranks import torch and take one DDP step (tests/bench/ddp_step.py). A count, not a time: the
+# virtual cluster's noise (2 CPUs for every node) does not blur it.
 #
-# The environment: ENV_MODULES small modules in packages of 50 (xs_bench_env), byte-compiled,
-# built under build/ (shared by every node, as Lustre is). The real torch (1.2 GB here) does not
-# fit a test node's 512 MiB /tmp, so it is not staged; its own opens are counted too, as what an
-# unstaged torch costs.
+# The environment is the real one: the test venv's distributions that a DDP rank imports (torch,
+# triton, numpy, sympy, ...: 2.3 GB), linked into build/ (shared by every node, as Lustre is) by
+# tests/bench/torch_env.py.
 #   without: PYTHONPATH is the shared site-packages; every rank opens every module itself.
 #   with:    jobs/lib/stage --name env copies it to every node first; PYTHONPATH is the node-local
 #            copy. Counted: the staging's own opens under the shared tree (packing it once, on the
 #            batch host) plus the ranks' (none, if they import only the node-local copy).
+# Staging needs twice the environment in each node's /tmp (the pack and its unpacked copy) and
+# that much memory per node on the test bed, where /tmp is a tmpfs: the jobs run one at a time.
 # Counted with strace (open/openat/openat2 that succeeded, every process and thread): per
 # process, so the nodes' separate mount namespaces change nothing, and no event is merged away
 # as inotify merges identical events.
 set -euo pipefail
 
 REPO=$(cd "${BASH_SOURCE[0]%/*}/../.." && pwd -P)
-readonly REPO ENV_MODULES=${ENV_MODULES:-1000} NODE_COUNTS=${NODE_COUNTS:-"1 2 4"}
+readonly REPO NODE_COUNTS=${NODE_COUNTS:-"1 2 4"}
 readonly WORK=$REPO/build/bench-shared-opens
 readonly SHARED_ENV=$WORK/shared-env
 readonly PYTHON=$REPO/.venv/bin/python
@@ -28,25 +29,9 @@ die() {
   exit 1
 }
 
-# SHARED_ENV/site-packages/xs_bench_env: packages of 50 modules each, imported by the top one.
+# SHARED_ENV/site-packages: what a DDP rank imports from the venv, as hard links.
 build_env() {
-  local site=$SHARED_ENV/site-packages/xs_bench_env package module i
-  rm -rf -- "$SHARED_ENV"
-  mkdir -p -- "$site"
-  : >"$site/__init__.py"
-  for ((i = 0; i < ENV_MODULES; i++)); do
-    package=p$((i / 50))
-    module=m$((i % 50))
-    if [[ ! -d $site/$package ]]; then
-      mkdir -- "$site/$package"
-      : >"$site/$package/__init__.py"
-      printf 'from . import %s\n' "$package" >>"$site/__init__.py"
-    fi
-    printf 'VALUE = %d\n' "$i" >"$site/$package/$module.py"
-    printf 'from . import %s\n' "$module" >>"$site/$package/__init__.py"
-  done
-  # As pip leaves a venv: byte-compiled, so that an import opens the .pyc, not the source too.
-  "$PYTHON" -m compileall -q "$SHARED_ENV/site-packages" >/dev/null
+  (cd "$REPO/tests/bench" && "$PYTHON" torch_env.py "$SHARED_ENV")
 }
 
 # The batch script: both runs in one allocation of N nodes.
@@ -82,41 +67,45 @@ count_opens() {
     grep -cF -e "<$prefix/" -e "<$prefix>" || true
 }
 
+# Whether the machine has the memory for N nodes' staged copies: on the test bed each node's /tmp
+# is a tmpfs, and staging holds the pack and its unpacked copy there at once.
+fits_in_memory() {
+  local nodes=$1 env_kb available_kb
+  env_kb=$(du -sk -- "$SHARED_ENV" | cut -f1)
+  available_kb=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)
+  (( nodes * 2 * env_kb + 2 * 1024 * 1024 < available_kb )) && return 0
+  printf 'shared_opens: %s nodes skipped: staging needs %d GB of node /tmp (memory here), %d GB is free\n' \
+    "$nodes" $((nodes * 2 * env_kb / 1000000)) $((available_kb / 1000000)) >&2
+  return 1
+}
+
+# One job at a time, so that each node's /tmp holds one staged copy of the environment at once.
 run_jobs() {
-  local nodes pids=()
+  local nodes
   for nodes in $NODE_COUNTS; do
+    fits_in_memory "$nodes" || continue
     sbatch --wait --quiet --partition=debug --nodes="$nodes" --ntasks-per-node=2 \
       --time=00:20:00 --output="$WORK/job-$nodes.out" \
       --export="ALL,REPO=$REPO,PYTHON=$PYTHON,SHARED_ENV=$SHARED_ENV,OUT=$WORK/traces" \
-      "$WORK/job.sh" &
-    pids+=($!)
+      "$WORK/job.sh" || die "the $nodes-node benchmark job failed: see $WORK/job-$nodes.out"
   done
-  local pid failed=0
-  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
-  ((failed == 0)) || die "a benchmark job failed: see $WORK/job-*.out"
 }
 
 print_table() {
-  local nodes torch_dir without with staging torch_without
-  torch_dir=$("$PYTHON" -c 'import os, torch; print(os.path.realpath(os.path.dirname(torch.__file__)))')
-  printf 'Opens under the shared environment (%d modules in %d packages), per job:\n' \
-    "$ENV_MODULES" $(((ENV_MODULES + 49) / 50))
-  printf '%-6s %-6s %10s %10s %18s %14s\n' nodes ranks without with "(with: staging)" \
-    "torch's own"
+  local nodes without with staging
+  printf 'Opens under the shared environment (%s), per job:\n' "$1"
+  printf '%-6s %-6s %10s %10s %18s\n' nodes ranks without with "(with: staging)"
   for nodes in $NODE_COUNTS; do
     local dir=$WORK/traces/$nodes
+    [[ -d $dir ]] || continue  # skipped for memory
     without=$(count_opens "$dir/without" "$SHARED_ENV")
     staging=$(count_opens "$dir/stage" "$SHARED_ENV")
     with=$((staging + $(count_opens "$dir/with" "$SHARED_ENV")))
-    torch_without=$(count_opens "$dir/without" "$torch_dir")
-    printf '%-6s %-6s %10s %10s %18s %14s\n' "$nodes" $((nodes * 2)) "$without" "$with" \
-      "$staging" "$torch_without"
+    printf '%-6s %-6s %10s %10s %18s\n' "$nodes" $((nodes * 2)) "$without" "$with" "$staging"
   done
   printf 'without: PYTHONPATH on shared storage; with: jobs/lib/stage first, PYTHONPATH node-local.\n'
   printf '(with: staging): packing the tree once on the batch host; the pack (one file) is then\n'
   printf 'read by sha256sum, tar -t and sbcast, once per job whatever the node count.\n'
-  printf "torch's own: opens under %s in the run without staging (not staged: too big here).\n" \
-    "$torch_dir"
 }
 
 main() {
@@ -125,10 +114,11 @@ main() {
     die "the virtual cluster is not up: make cluster-up (root)"
   rm -rf -- "$WORK/traces"
   mkdir -p -- "$WORK"
-  build_env
+  local built
+  built=$(build_env)
   write_job
   run_jobs
-  print_table
+  print_table "$built"
 }
 
 main "$@"

@@ -22,7 +22,7 @@ until sinfo shows every node idle. Safe to run again; cluster-down.sh undoes all
 
 Environment: XSCALE_CLUSTER_STATE (pid files, node /tmp mounts; default /run/xscale-cluster),
 XSCALE_CLUSTER_SUBNET (first three octets, default 10.77.0), XSCALE_CLUSTER_TMP_SIZE (each
-node's /tmp, default 4g), XSCALE_CLUSTER_TIMEOUT_S (wait for idle nodes, default 60).
+node's /tmp, default 6g), XSCALE_CLUSTER_TIMEOUT_S (wait for idle nodes, default 60).
 EOF
 }
 

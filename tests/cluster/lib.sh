@@ -16,10 +16,11 @@ readonly XSC_SUBNET=${XSCALE_CLUSTER_SUBNET:-10.77.0}
 readonly XSC_BRIDGE=xsbr0
 readonly XSC_BRIDGE_ADDR=$XSC_SUBNET.1
 # Size of each node's /tmp (a tmpfs, which takes memory only for what is written to it): room for
-# the doctor's default free-space floor (1 GB) and for staging the test venv's torch (1.3 GB,
-# packed and unpacked side by side: tests/bench/shared_opens.sh), as a LUMI-G node's RAM-backed
-# /tmp has. fill-tmp writes all of it, for as long as a test holds the fault.
-readonly XSC_TMP_SIZE=${XSCALE_CLUSTER_TMP_SIZE:-4g}
+# the doctor's default free-space floor (1 GB) and for staging the test venv's torch with what a
+# DDP rank imports along (2.3 GB, triton included; packed and unpacked side by side, 4.7 GB:
+# tests/bench/shared_opens.sh), as a LUMI-G node's RAM-backed /tmp has. fill-tmp writes all of
+# it, for as long as a test holds the fault.
+readonly XSC_TMP_SIZE=${XSCALE_CLUSTER_TMP_SIZE:-6g}
 # Lines we add to /etc/hosts end with this tag, so cluster-down removes exactly those.
 readonly XSC_HOSTS_TAG='# xscale-cluster'
 readonly XSC_CONF_DIR=/etc/slurm
