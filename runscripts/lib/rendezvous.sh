@@ -54,11 +54,11 @@ xs_string_hash() {
 }
 
 # MASTER_PORT = 10000 + (16 * job id + step id mod 16) mod 22768, the same on every rank of a
-# step. Consecutive job ids (the usual neighbours on a shared node) and up to 16 concurrent steps
-# of one job get distinct ports; the range 10000-32767 stays below Linux's ephemeral ports
-# (32768+), so an outgoing connection cannot already hold it. A fixed 29500 makes every second job
-# on a node fail with "address already in use". Without a scheduler job id, a hash of the MPI
-# launcher's job name stands in for it.
+# step. Up to 16 concurrent steps of one job get distinct ports, and so do the steps of jobs whose
+# ids are fewer than 22768 / 16 = 1423 apart (the usual neighbours on a shared node); the range
+# 10000-32767 stays below Linux's ephemeral ports (32768+), so an outgoing connection cannot
+# already hold it. A fixed 29500 makes every second job on a node fail with "address already in
+# use". Without a scheduler job id, a hash of the MPI launcher's job name stands in for it.
 xs_master_port() {
   if [[ -v MASTER_PORT ]]; then
     # Five digits at most before the arithmetic, so that a long number cannot wrap into range.
