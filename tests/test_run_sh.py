@@ -390,6 +390,32 @@ def test_exec_keeps_the_pid(tmp_path):
     assert int(out) == proc.pid
 
 
+@pytest.mark.parametrize("script", [RUN_SH, RUN_PROFILE], ids=lambda path: path.name)
+@pytest.mark.parametrize("site", ["generic", "lumi", "aurora", "nvidia", "nvidia-slingshot"])
+def test_a_rank_starts_no_process_before_its_command(tmp_path, site, script):
+    """Every rank runs this at once: once the node's cache directory exists (the first rank's
+    mkdir), bash starts and the next process is the command itself, with no fork between."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed: it is what sees a fork or an exec")
+    # Rank 3, not profiled; the interface the LUMI and Slingshot profiles name exists here as lo.
+    env = base_env(tmp_path, **recorded_slurm_env(), XSCALE_SITE=site, NCCL_SOCKET_IFNAME="lo",
+                   PROFILER="true {rank}")
+    marker = tmp_path / "ran"
+    command = [shutil.which("touch"), str(marker)]
+    assert run(command, env, script).returncode == 0
+    trace = tmp_path / "trace"
+    proc = run(["strace", "-f", "-qq", "-e", "trace=clone,clone3,fork,vfork,execve",
+                "-o", str(trace), str(script), *command], env)
+    if proc.returncode != 0 and "ptrace" in proc.stderr:
+        pytest.skip(f"strace cannot trace here (ptrace not permitted): {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    calls = [line for line in trace.read_text().splitlines() if "(" in line]
+    assert not [call for call in calls if "execve(" not in call], calls
+    started = [call for call in calls if call.endswith("= 0")]
+    assert len(started) == 3, started  # the script, bash (through env), the command
+    assert f'execve("{command[0]}"' in started[-1], started
+
+
 def test_no_command_is_an_error(tmp_path):
     assert_user_error(run([], base_env(tmp_path)), "no command")
 
