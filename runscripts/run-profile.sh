@@ -9,8 +9,23 @@ set -euo pipefail
 XS_T_RUNSH=${EPOCHREALTIME:-}
 
 XS_PROG=run-profile.sh
-# shellcheck source=runscripts/lib/xscale-env.sh
-source "${BASH_SOURCE[0]%/*}/lib/xscale-env.sh"
+# run.sh's lib/ files, and profiling.sh.
+# shellcheck source=runscripts/lib/common.sh
+source "${BASH_SOURCE[0]%/*}/lib/common.sh"
+# shellcheck source=runscripts/lib/layout.sh
+source "$XS_LIB_DIR/layout.sh"
+# shellcheck source=runscripts/lib/rendezvous.sh
+source "$XS_LIB_DIR/rendezvous.sh"
+# shellcheck source=runscripts/lib/site.sh
+source "$XS_LIB_DIR/site.sh"
+# shellcheck source=runscripts/lib/binding.sh
+source "$XS_LIB_DIR/binding.sh"
+# shellcheck source=runscripts/lib/args.sh
+source "$XS_LIB_DIR/args.sh"
+# shellcheck source=runscripts/lib/profiling.sh
+source "$XS_LIB_DIR/profiling.sh"
+# shellcheck source=runscripts/lib/entrypoint.sh
+source "$XS_LIB_DIR/entrypoint.sh"
 
 usage() {
   cat <<'EOF_USAGE'

@@ -2,16 +2,30 @@
 # Per-rank entrypoint, run inside the container by every rank:
 #   srun singularity exec $SIF /runscripts/run.sh python train.py ...
 # Exports the rank layout, rendezvous and site environment, then exec's the command, which keeps
-# this PID so Slurm's signals reach it. Logic lives in lib/xscale-env.sh (shared with
-# run-profile.sh); this file is only the command line.
+# this PID so Slurm's signals reach it. The logic lives in lib/, one file per concern (shared
+# with run-profile.sh and doctor); this file is only the command line.
 set -euo pipefail
 # Start-up phases (docs/STARTUP.md): when this rank's run.sh began, before anything else; a
 # builtin read of the clock, exported with the exec's time just before the exec.
 XS_T_RUNSH=${EPOCHREALTIME:-}
 
 XS_PROG=run.sh
-# shellcheck source=runscripts/lib/xscale-env.sh
-source "${BASH_SOURCE[0]%/*}/lib/xscale-env.sh"
+# Only the lib/ files run.sh calls, in this order (each says what it owns): bash parses every
+# line it sources, on every rank.
+# shellcheck source=runscripts/lib/common.sh
+source "${BASH_SOURCE[0]%/*}/lib/common.sh"
+# shellcheck source=runscripts/lib/layout.sh
+source "$XS_LIB_DIR/layout.sh"
+# shellcheck source=runscripts/lib/rendezvous.sh
+source "$XS_LIB_DIR/rendezvous.sh"
+# shellcheck source=runscripts/lib/site.sh
+source "$XS_LIB_DIR/site.sh"
+# shellcheck source=runscripts/lib/binding.sh
+source "$XS_LIB_DIR/binding.sh"
+# shellcheck source=runscripts/lib/args.sh
+source "$XS_LIB_DIR/args.sh"
+# shellcheck source=runscripts/lib/entrypoint.sh
+source "$XS_LIB_DIR/entrypoint.sh"
 
 usage() {
   cat <<'EOF'

@@ -59,7 +59,7 @@ def test_files_sources_exist_and_populate_runscripts(def_file):
     assert destinations.get("runscripts") == "/runscripts"
     assert destinations.get("python") == "/opt/xscale/python"
     # The entrypoints the templates call must be among what is copied.
-    for entry in ("run.sh", "run-profile.sh", "lib/xscale-env.sh"):
+    for entry in ("run.sh", "run-profile.sh", "lib/entrypoint.sh"):
         assert (REPO / "runscripts" / entry).is_file()
 
 

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import REPO
@@ -220,15 +220,42 @@ def test_bad_rank_variables_stop_before_exec(tmp_path, variables, named):
 
 # --- MASTER_PORT ---------------------------------------------------------------------------------
 
-@settings(max_examples=200, deadline=None)
-@given(job=st.integers(1, 10**9), step=st.integers(0, 10**4))
-def test_port_formula_range_and_neighbours(job, step):
-    port = int(expected_port(job, step))
+def slurm_task_env(tmp_path: Path, job: int, step: int, rank: int) -> dict[str, str]:
+    """Rank RANK of 8 (4 per node, on nid001 and nid002) of step STEP of Slurm job JOB."""
+    node = rank // 4
+    return base_env(
+        tmp_path, SLURM_JOB_ID=str(job), SLURM_STEP_ID=str(step), SLURM_PROCID=str(rank),
+        SLURM_NTASKS="8", SLURM_LOCALID=str(rank % 4), SLURM_NODEID=str(node),
+        SLURM_TASKS_PER_NODE="4(x2)", SLURM_JOB_NODELIST="nid[001-002]",
+        SLURMD_NODENAME=f"nid00{node + 1}",
+    )
+
+
+def master_port(tmp_path: Path, job: int, step: int, rank: int = 0) -> int:
+    return int(print_env(slurm_task_env(tmp_path, job, step, rank))["MASTER_PORT"])
+
+
+# The ports step by 16 (one per concurrent step) through 22768 numbers, so job ids wrap after
+# 22768 / 16 = 1423: jobs closer than that (the neighbours on a shared node) never share a port.
+JOB_IDS_BEFORE_WRAP = 1423
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(job=st.integers(1, 2**32), step=st.integers(0, 10**4), rank=st.integers(1, 7),
+       later=st.integers(1, 15), apart=st.integers(1, JOB_IDS_BEFORE_WRAP - 1),
+       other_step=st.integers(0, 10**4))
+@example(job=22768, step=15, rank=7, later=1, apart=1, other_step=0)  # both numbers wrap here
+@example(job=1, step=0, rank=4, later=15, apart=JOB_IDS_BEFORE_WRAP - 1, other_step=0)
+def test_run_sh_port_is_the_steps_own(tmp_path, job, step, rank, later, apart, other_step):
+    """run.sh's MASTER_PORT for generated job and step ids: below Linux's ephemeral ports, the
+    same on every rank of the step, and not the port of another of the job's 16 concurrent
+    steps, nor of a neighbouring job's step on the same node."""
+    port = master_port(tmp_path, job, step)
     assert 10000 <= port <= 32767
-    # Neighbouring jobs and the other concurrent steps of a job never share the port.
-    assert port != int(expected_port(job + 1, step))
-    if step % 16 != 15:
-        assert port != int(expected_port(job, step + 1))
+    assert master_port(tmp_path, job, step, rank) == port  # another node, another rank
+    assert master_port(tmp_path, job, step + later) != port
+    assert master_port(tmp_path, job + apart, other_step) != port
 
 
 def test_port_matches_formula_and_differs_between_jobs_and_steps(tmp_path):
@@ -361,6 +388,32 @@ def test_exec_keeps_the_pid(tmp_path):
     )
     out, _ = proc.communicate(timeout=30)
     assert int(out) == proc.pid
+
+
+@pytest.mark.parametrize("script", [RUN_SH, RUN_PROFILE], ids=lambda path: path.name)
+@pytest.mark.parametrize("site", ["generic", "lumi", "aurora", "nvidia", "nvidia-slingshot"])
+def test_a_rank_starts_no_process_before_its_command(tmp_path, site, script):
+    """Every rank runs this at once: once the node's cache directory exists (the first rank's
+    mkdir), bash starts and the next process is the command itself, with no fork between."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed: it is what sees a fork or an exec")
+    # Rank 3, not profiled; the interface the LUMI and Slingshot profiles name exists here as lo.
+    env = base_env(tmp_path, **recorded_slurm_env(), XSCALE_SITE=site, NCCL_SOCKET_IFNAME="lo",
+                   PROFILER="true {rank}")
+    marker = tmp_path / "ran"
+    command = [shutil.which("touch"), str(marker)]
+    assert run(command, env, script).returncode == 0
+    trace = tmp_path / "trace"
+    proc = run(["strace", "-f", "-qq", "-e", "trace=clone,clone3,fork,vfork,execve",
+                "-o", str(trace), str(script), *command], env)
+    if proc.returncode != 0 and "ptrace" in proc.stderr:
+        pytest.skip(f"strace cannot trace here (ptrace not permitted): {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    calls = [line for line in trace.read_text().splitlines() if "(" in line]
+    assert not [call for call in calls if "execve(" not in call], calls
+    started = [call for call in calls if call.endswith("= 0")]
+    assert len(started) == 3, started  # the script, bash (through env), the command
+    assert f'execve("{command[0]}"' in started[-1], started
 
 
 def test_no_command_is_an_error(tmp_path):

@@ -184,10 +184,6 @@ def expand(hostlist: str) -> Iterator[str]:
     return itertools.chain.from_iterable(item.hosts() for item in items)
 
 
-def first_host(hostlist: str) -> str:
-    return next(expand(hostlist))
-
-
 def compress(hosts: Sequence[str]) -> str:
     """The shortest bracket form of HOSTS that Slurm reads back (`--exclude`, `--nodelist`):
     names sorted, numeric suffixes of one prefix and width merged into ranges, e.g.

@@ -1,8 +1,10 @@
 # shellcheck shell=bash
-# Slurm hostlist -> first host, in pure bash: sourced by run.sh (MASTER_ADDR) and get-master.
+# Slurm hostlist -> first host, in pure bash: sourced by rendezvous.sh (MASTER_ADDR) and
+# get-master.
 #
-# run.sh sources this on every rank, so the first-host path uses bash builtins only: no
-# subshell, no external command, no Python (a fork plus exec costs more than the whole parse).
+# run.sh sources this (through rendezvous.sh) on every rank, so the first-host path uses bash
+# builtins only: no subshell, no external command, no Python (a fork plus exec costs more than the
+# whole parse).
 # Sourcing defines functions only; nothing runs, prints or changes at source time.
 #
 # Contract:

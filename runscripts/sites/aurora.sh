@@ -2,18 +2,18 @@
 # Site profile: ALCF Aurora (Intel Data Center GPU Max 1550, 6 GPUs x 2 tiles per node, HPE
 # Slingshot-11, PBS + PALS mpiexec, PyTorch DDP over oneCCL).
 #
-# Sourced by runscripts/lib/xscale-env.sh once per rank. Defaults only: every line goes through
+# Sourced by runscripts/lib/site.sh once per rank. Defaults only: every line goes through
 # xs_default, so a variable the user (or `module load frameworks_optimized`) already exported
 # wins. No forks, no output. Unless noted, values are ALCF's "oneCCL environment variables" list
 # on the Aurora oneCCL page, the settings ALCF ships in the frameworks_optimized module and
 # recommends from 16 nodes up (ALCF "PyTorch on Aurora", "Settings for training beyond 16 nodes").
 
-# shellcheck disable=SC2034  # read by xscale-env.sh after sourcing (GPU visibility variables)
+# shellcheck disable=SC2034  # read by lib/binding.sh after sourcing (GPU visibility variables)
 XS_GPU_VENDOR=intel
 # unitrace (pti-gpu module, loaded by `module load frameworks`) is the profiler ALCF documents for
 # deep-learning jobs ("Profiling Deep Learning Applications"): device kernels plus oneCCL calls,
 # as Perfetto-readable JSON.
-# shellcheck disable=SC2034  # read by run-profile.sh; {dir}/rank{rank} is created before exec
+# shellcheck disable=SC2034  # read by lib/profiling.sh; {dir}/rank{rank} is created before exec
 XS_PROFILER_DEFAULT='unitrace --chrome-device-logging --chrome-ccl-logging --output-dir-path {dir}/rank{rank}'
 
 # --- GPU tiles as devices -----------------------------------------------------------------------

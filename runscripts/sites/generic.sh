@@ -1,10 +1,10 @@
 # shellcheck shell=bash
 # Site profile: anything not recognised (laptops, CI, CPU-only clusters, the virtual cluster).
 #
-# Sourced by runscripts/lib/xscale-env.sh once per rank. Sets nothing site-specific: the
+# Sourced by runscripts/lib/site.sh once per rank. Sets nothing site-specific: the
 # launcher variables and node-local caches that run.sh exports are all a generic machine needs.
 
-# shellcheck disable=SC2034  # read by xscale-env.sh: no GPU visibility variables to narrow
+# shellcheck disable=SC2034  # read by lib/binding.sh: no GPU visibility variables to narrow
 XS_GPU_VENDOR=none
-# shellcheck disable=SC2034  # read by run-profile.sh: a sampling profiler that needs no GPU
+# shellcheck disable=SC2034  # read by lib/profiling.sh: a sampling profiler that needs no GPU
 XS_PROFILER_DEFAULT='py-spy record -o {dir}/rank{rank}.svg --'

@@ -1,12 +1,12 @@
 # shellcheck shell=bash
 # Site profile: LUMI-G (AMD MI250X, 8 GCDs per node, HPE Slingshot-11, Lustre).
 #
-# Sourced by runscripts/lib/xscale-env.sh once per rank. Defaults only: every line goes through
+# Sourced by runscripts/lib/site.sh once per rank. Defaults only: every line goes through
 # xs_default, so a variable the user already exported wins. No forks, no output.
 
-# shellcheck disable=SC2034  # read by xscale-env.sh after sourcing (GPU visibility variables)
+# shellcheck disable=SC2034  # read by lib/binding.sh after sourcing (GPU visibility variables)
 XS_GPU_VENDOR=amd
-# shellcheck disable=SC2034  # read by run-profile.sh; {dir}/rank{rank} is created before exec
+# shellcheck disable=SC2034  # read by lib/profiling.sh; {dir}/rank{rank} is created before exec
 XS_PROFILER_DEFAULT='rocprof --hip-trace --stats -o {dir}/rank{rank}/results.csv'
 
 # --- RCCL: which network interfaces -------------------------------------------------------------

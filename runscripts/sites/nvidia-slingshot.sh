@@ -2,7 +2,7 @@
 # Site profile: NVIDIA GPUs on an HPE Slingshot 11 network (ALCF Polaris, CSCS Alps, Isambard-AI),
 # chosen when /dev/nvidiactl and a CXI NIC are both present, or by XSCALE_SITE=nvidia-slingshot.
 #
-# Sourced by runscripts/lib/xscale-env.sh once per rank. Defaults only: every line goes through
+# Sourced by runscripts/lib/site.sh once per rank. Defaults only: every line goes through
 # xs_default, so a variable the user (or a site module such as Isambard's brics/nccl) already
 # exported wins. No forks, no output.
 #
@@ -15,9 +15,9 @@
 #   CSCS Alps     docs.cscs.ch, "NCCL" (eth-cscs/cscs-docs, docs/software/communication/nccl.md)
 #   Isambard-AI   docs.isambard.ac.uk/user-documentation/guides/nccl/ (env_vars.sh)
 
-# shellcheck disable=SC2034  # read by xscale-env.sh after sourcing (GPU visibility variables)
+# shellcheck disable=SC2034  # read by lib/binding.sh after sourcing (GPU visibility variables)
 XS_GPU_VENDOR=nvidia
-# shellcheck disable=SC2034  # read by run-profile.sh; {dir}/rank{rank} is created before exec
+# shellcheck disable=SC2034  # read by lib/profiling.sh; {dir}/rank{rank} is created before exec
 XS_PROFILER_DEFAULT='nsys profile -t cuda,nvtx -o {dir}/rank{rank}'
 
 # --- NCCL: the libfabric plugin, and how to use it ------------------------------------------------

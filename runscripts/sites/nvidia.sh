@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Site profile: NVIDIA GPU clusters (InfiniBand or RoCE, NCCL).
 #
-# Sourced by runscripts/lib/xscale-env.sh once per rank. Defaults only; no forks, no output.
+# Sourced by runscripts/lib/site.sh once per rank. Defaults only; no forks, no output.
 #
 # Deliberately forces no NCCL_* variable. On InfiniBand clusters NCCL finds the HCAs, the
 # GPU-NIC PCI topology, the GPU Direct RDMA level and the bootstrap interface by itself, and
@@ -11,7 +11,7 @@
 # one. NCCL_DEBUG stays unset so NCCL only prints warnings; set NCCL_DEBUG=INFO yourself to see
 # which transport it picked. Site admins usually put cluster-wide values in /etc/nccl.conf.
 
-# shellcheck disable=SC2034  # read by xscale-env.sh after sourcing (GPU visibility variables)
+# shellcheck disable=SC2034  # read by lib/binding.sh after sourcing (GPU visibility variables)
 XS_GPU_VENDOR=nvidia
-# shellcheck disable=SC2034  # read by run-profile.sh; {dir}/rank{rank} is created before exec
+# shellcheck disable=SC2034  # read by lib/profiling.sh; {dir}/rank{rank} is created before exec
 XS_PROFILER_DEFAULT='nsys profile -t cuda,nvtx -o {dir}/rank{rank}'

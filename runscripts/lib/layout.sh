@@ -1,0 +1,132 @@
+# shellcheck shell=bash
+# This rank's place in the job: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK and
+# NNODES, read from whichever launcher started it (the launcher table below), completed where the
+# launcher is silent, checked, and exported under the names torchrun uses. Sets XS_LAUNCHER and
+# XS_RANK ... XS_NNODES, which the other lib/ files read.
+#
+# Sourced by run.sh, run-profile.sh and doctor, after common.sh.
+
+XS_LAUNCHER=none
+
+# Launchers, as data. One row per launcher, in priority order; a launcher applies when every
+# variable of its "detect" column is set. The other columns name the variable holding each value
+# ("A,B": the first of A, B that is set; "-": derived below). Slurm needs SLURM_STEP_ID because
+# a batch script's own shell also has SLURM_PROCID=0 and must not pass for rank 0 of a step.
+#  launcher  detect                      rank                  local_rank                      world_size                  local_world_size                 node_rank     nnodes
+XS_LAUNCHERS=(
+  "torchrun  RANK,WORLD_SIZE             RANK                  LOCAL_RANK                      WORLD_SIZE                  LOCAL_WORLD_SIZE                 GROUP_RANK    NNODES"
+  "slurm     SLURM_PROCID,SLURM_STEP_ID  SLURM_PROCID          SLURM_LOCALID                   SLURM_NTASKS,SLURM_NPROCS   -                                SLURM_NODEID  SLURM_STEP_NUM_NODES,SLURM_NNODES"
+  "pbs       PALS_RANKID                 PALS_RANKID           PALS_LOCAL_RANKID               PMI_SIZE                    PALS_LOCAL_SIZE,PMI_LOCAL_SIZE   PALS_NODEID   -"
+  "openmpi   OMPI_COMM_WORLD_RANK        OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_LOCAL_RANK      OMPI_COMM_WORLD_SIZE        OMPI_COMM_WORLD_LOCAL_SIZE       -             -"
+  "pmi       PMI_RANK                    PMI_RANK              MPI_LOCALRANKID,PMI_LOCAL_RANK  PMI_SIZE                    MPI_LOCALNRANKS,PMI_LOCAL_SIZE   -             -"
+)
+
+# True when every variable in the comma-separated list is set and non-empty.
+xs_all_set() {
+  local name
+  xs_split_commas "$1"
+  for name in "${XS_ITEMS[@]}"; do
+    [[ -n ${!name:-} ]] || return 1
+  done
+}
+
+# Fill XS_RANK ... XS_NNODES from the first launcher row that applies ("" where the row has no
+# variable; xs_derive_layout completes those).
+xs_detect_launcher() {
+  local row name detect rank local_rank world local_world node nnodes
+  XS_RANK=0 XS_LOCAL_RANK=0 XS_WORLD_SIZE=1 XS_LOCAL_WORLD_SIZE=1 XS_NODE_RANK=0 XS_NNODES=1
+  XS_LAUNCHER=none
+  for row in "${XS_LAUNCHERS[@]}"; do
+    # Our own table: split on blanks, no glob characters in it.
+    # shellcheck disable=SC2086
+    set -- $row
+    name=$1 detect=$2 rank=$3 local_rank=$4 world=$5 local_world=$6 node=$7 nnodes=$8
+    xs_all_set "$detect" || continue
+    XS_LAUNCHER=$name
+    xs_read_number XS_RANK "$rank"
+    xs_read_number XS_LOCAL_RANK "$local_rank"
+    xs_read_number XS_WORLD_SIZE "$world"
+    xs_read_number XS_LOCAL_WORLD_SIZE "$local_world"
+    xs_read_number XS_NODE_RANK "$node"
+    xs_read_number XS_NNODES "$nnodes"
+    return 0
+  done
+}
+
+# xs_read_number OUT VARLIST: OUT=the value, checked to be a whole number, or "" if none is set.
+xs_read_number() {
+  local value
+  if xs_first_set value "$2"; then
+    [[ $value =~ ^[0-9]+$ ]] \
+      || xs_die "$XS_SOURCE_VAR='$value' is not a whole number (launcher: $XS_LAUNCHER)"
+    # Nine digits keep the arithmetic below exact; no launcher numbers a billion ranks.
+    ((${#value} <= 9)) || xs_die "$XS_SOURCE_VAR='$value' is out of range (launcher: $XS_LAUNCHER)"
+    printf -v "$1" '%d' "$((10#$value))"
+  else
+    printf -v "$1" '%s' ""
+  fi
+}
+
+# Slurm gives tasks per node in compressed form, e.g. "8(x2),4": 8 on each of the first two
+# nodes, 4 on the third. Return the count for node index $2. Every number is read as decimal
+# (10#): bash would take "08" for a bad octal number.
+xs_tasks_on_node() {
+  local node=$2 group count repeat
+  xs_split_commas "$3"
+  for group in "${XS_ITEMS[@]}"; do
+    if [[ $group =~ ^([0-9]{1,9})\(x([0-9]{1,9})\)$ ]]; then
+      count=$((10#${BASH_REMATCH[1]})) repeat=$((10#${BASH_REMATCH[2]}))
+    elif [[ $group =~ ^[0-9]{1,9}$ ]]; then
+      count=$((10#$group)) repeat=1
+    else
+      xs_die "cannot read tasks per node '$3'"
+    fi
+    if (( node < repeat )); then
+      printf -v "$1" '%d' "$count"
+      return 0
+    fi
+    node=$((node - repeat))
+  done
+  xs_die "node $2 is not in tasks per node '$3'"
+}
+
+# Complete what the launcher does not say, then check the numbers agree with each other.
+xs_derive_layout() {
+  local tasks_per_node
+  if [[ -z $XS_LOCAL_WORLD_SIZE && $XS_LAUNCHER == slurm ]] \
+      && xs_first_set tasks_per_node SLURM_STEP_TASKS_PER_NODE,SLURM_TASKS_PER_NODE; then
+    xs_tasks_on_node XS_LOCAL_WORLD_SIZE "${XS_NODE_RANK:-0}" "$tasks_per_node"
+  fi
+  : "${XS_LOCAL_RANK:=$XS_RANK}" "${XS_LOCAL_WORLD_SIZE:=$XS_WORLD_SIZE}"
+  (( XS_LOCAL_WORLD_SIZE > 0 )) || xs_die "local world size is 0 (launcher: $XS_LAUNCHER)"
+  # MPI launchers do not number nodes; with the usual block placement, rank / ranks-per-node does.
+  : "${XS_NODE_RANK:=$((XS_RANK / XS_LOCAL_WORLD_SIZE))}"
+  if [[ -z $XS_NNODES && $XS_LAUNCHER == pbs && -r ${PBS_NODEFILE:-} ]]; then
+    xs_count_pbs_nodes XS_NNODES
+  fi
+  : "${XS_NNODES:=$(((XS_WORLD_SIZE + XS_LOCAL_WORLD_SIZE - 1) / XS_LOCAL_WORLD_SIZE))}"
+  (( XS_RANK < XS_WORLD_SIZE )) \
+    || xs_die "rank $XS_RANK is not below world size $XS_WORLD_SIZE (launcher: $XS_LAUNCHER)"
+  (( XS_LOCAL_RANK < XS_LOCAL_WORLD_SIZE )) \
+    || xs_die "local rank $XS_LOCAL_RANK is not below local world size $XS_LOCAL_WORLD_SIZE (launcher: $XS_LAUNCHER)"
+}
+
+xs_count_pbs_nodes() {
+  local line
+  local -A seen=()
+  while IFS= read -r line; do
+    [[ -n $line ]] && seen[$line]=1
+  done <"$PBS_NODEFILE"
+  printf -v "$1" '%d' "${#seen[@]}"
+}
+
+xs_export_layout() {
+  # A launcher's own values are exported as they are (torchrun's included); defaults fill gaps.
+  xs_default RANK "$XS_RANK"
+  xs_default WORLD_SIZE "$XS_WORLD_SIZE"
+  xs_default LOCAL_RANK "$XS_LOCAL_RANK"
+  xs_default LOCAL_WORLD_SIZE "$XS_LOCAL_WORLD_SIZE"
+  xs_default NODE_RANK "$XS_NODE_RANK"
+  xs_default NNODES "$XS_NNODES"
+}
+
