@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.machinery
+import importlib.util
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import torch
 from xscale import dist
 from xscale.lifecycle import UserError
 
+from tests.conftest import REPO
 from tests.helpers import PYTHON_DIR
 
 # ---------------------------------------------------------------------------------------------
@@ -188,3 +191,61 @@ def test_missing_master_addr_is_a_user_error(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("p.py: error: MASTER_ADDR is not set")
     assert len(proc.stderr.splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the doctor's torch child takes the trainers' choice, with the oneCCL import where needed
+# ---------------------------------------------------------------------------------------------
+
+ONECCL_BINDINGS = '''"""Intel's oneccl_bindings_for_pytorch, as far as the doctor sees it."""
+import torch.distributed
+
+
+def _no_xpu_here(store, rank, world_size, timeout):
+    raise RuntimeError("the test's oneCCL bindings have no XPU to talk to")
+
+
+torch.distributed.Backend.register_backend("ccl", _no_xpu_here, devices=["xpu"])
+'''
+
+
+@pytest.fixture
+def doctor_torch(request):
+    """runscripts/lib/doctor_torch.py as doctor.py starts it (by path), and the backend
+    registry as it was before the test."""
+    backend = torch.distributed.Backend
+    saved = {name: copy.copy(getattr(backend, name)) for name in (
+        "backend_list", "backend_type_map", "backend_capability", "default_device_backend_map",
+        "_plugins")}
+    had_ccl = hasattr(backend, "CCL")
+
+    def restore() -> None:
+        for name, value in saved.items():
+            setattr(backend, name, value)
+        if not had_ccl and hasattr(backend, "CCL"):
+            delattr(backend, "CCL")
+
+    request.addfinalizer(restore)
+    path = REPO / "runscripts" / "lib" / "doctor_torch.py"
+    spec = importlib.util.spec_from_file_location("doctor_torch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_doctor_on_an_old_aurora_module_imports_oneccl_and_takes_ccl(
+        fake_machine, doctor_torch, tmp_path, monkeypatch):
+    """Aurora's frameworks modules before 2025.3.1: torch sees the XPUs but has no xccl; ccl
+    comes from oneccl_bindings_for_pytorch, which must be imported to exist. The doctor's child
+    makes the trainers' choice (xscale.dist) and imports it, as a trainer does."""
+    fake_machine("xpu", 12)  # no xccl, and no bindings module already imported
+    (tmp_path / "oneccl_bindings_for_pytorch.py").write_text(ONECCL_BINDINGS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.delenv("XSCALE_BACKEND", raising=False)
+    xdist = doctor_torch.xscale_dist()
+    assert xdist is dist  # the trainers' module, not a copy of its table
+    device, backend = doctor_torch.device_and_backend(xdist, xdist.probe_accelerator())
+    assert (str(device), backend) == ("xpu:2", "ccl")
+    assert "oneccl_bindings_for_pytorch" in sys.modules
+    assert "ccl" in torch.distributed.Backend.backend_list

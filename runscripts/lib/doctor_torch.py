@@ -3,6 +3,10 @@
 how many GPUs torch sees, and, with the other ranks, a few timed all-reduces. Prints one JSON
 line. A separate process, so that a hung or aborted collective (NCCL's watchdog ends the process)
 costs the doctor this child, not its report.
+
+The device and the backend are the trainers' own choice, from xscale.dist (python/xscale/dist.py):
+one table, so the doctor's all-reduce runs on the backend training will use, with the import
+that registers it (oneccl_bindings_for_pytorch for `ccl` on Aurora's older frameworks modules).
 """
 
 import argparse
@@ -12,29 +16,35 @@ import sys
 import time
 from datetime import timedelta
 
+# Where xscale's python/ is: beside runscripts/ in a checkout (Aurora, the test bed, any job that
+# runs runscripts/ from the checkout), in the checkout a LUMI job binds at its own path
+# (XSCALE_ROOT, exported by jobs/lib/lumi.sh), or in xscale's images (/opt/xscale/python, also
+# on their PYTHONPATH).
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON_DIRS = (os.path.join(HERE, os.pardir, os.pardir, "python"),
+               os.path.join(os.environ.get("XSCALE_ROOT") or "/nonexistent", "python"),
+               "/opt/xscale/python")
 
-def accelerator(torch):
-    """(device type, GPUs torch sees). CUDA covers ROCm builds (HIP answers torch.cuda)."""
-    if torch.cuda.is_available():
-        return "cuda", torch.cuda.device_count()
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        return "xpu", xpu.device_count()
-    return "cpu", torch.cuda.device_count()  # 0 with a CPU-only torch
+
+def xscale_dist():
+    """xscale.dist, the trainers' device and backend choice."""
+    for folder in PYTHON_DIRS:
+        if os.path.isfile(os.path.join(folder, "xscale", "dist.py")):
+            sys.path.insert(0, os.path.normpath(folder))
+            break
+    from xscale import dist
+
+    return dist
 
 
-def backend_for(torch, device_type):
-    """The backend a trainer would use; XSCALE_BACKEND wins, as in the trainers. On Intel GPUs,
-    torch >= 2.8 ships 'xccl'; older frameworks modules register 'ccl' through
-    oneccl_bindings_for_pytorch (ALCF, "PyTorch on Aurora")."""
-    chosen = os.environ.get("XSCALE_BACKEND")
-    if chosen:
-        return chosen
-    if device_type == "cuda":
-        return "nccl"
-    if device_type == "xpu":
-        return "xccl" if torch.distributed.is_backend_available("xccl") else "ccl"
-    return "gloo"
+def device_and_backend(xdist, accel):
+    """This rank's device and backend as a trainer's runtime.start() takes them (XSCALE_BACKEND
+    wins), the backend registered: `ccl` exists only once oneccl_bindings_for_pytorch is
+    imported."""
+    device = xdist.choose_device(int(os.environ.get("LOCAL_RANK", "0")), accel=accel)
+    backend = xdist.choose_backend(None, device, accel)
+    xdist.register_backend(backend)
+    return device, backend
 
 
 def synchronize(torch, device_type):
@@ -64,18 +74,14 @@ def sweep(torch, device, device_type, sizes, iterations):
     return results
 
 
-def collective(torch, device_type, count, sizes, timeout):
+def collective(torch, xdist, accel, sizes, timeout):
     dist = torch.distributed
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cpu")
-    if device_type != "cpu" and count:
-        device = torch.device(device_type, local_rank if count > 1 else 0)
-        getattr(torch, device_type).set_device(device)
-    backend = backend_for(torch, device_type)
+    device, backend = device_and_backend(xdist, accel)
+    xdist.use_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     try:
         iterations = 1 if len(sizes) == 1 else 3
-        bandwidth = sweep(torch, device, device_type, sizes, iterations)
+        bandwidth = sweep(torch, device, device.type, sizes, iterations)
         return {"backend": backend, "bandwidth": bandwidth}
     finally:
         dist.destroy_process_group()
@@ -91,15 +97,16 @@ def main():
     import torch
     record = {"import_s": round(time.perf_counter() - started, 3), "torch": torch.__version__,
               "nnodes": int(os.environ.get("NNODES", "1"))}
-    device_type, count = accelerator(torch)
-    record["torch_gpus"] = count
-    if not args.no_collective:
-        sizes = [int(size) for size in args.sizes.split(",")]
-        try:
-            record.update(collective(torch, device_type, count, sizes, args.timeout))
-        except Exception as error:  # noqa: BLE001  (reported, not raised: the verdict is rank 0's)
-            first_line = (str(error).strip().splitlines() or [""])[0][:300]
-            record["collective_error"] = "%s: %s" % (type(error).__name__, first_line)
+    try:
+        xdist = xscale_dist()
+        accel = xdist.probe_accelerator()
+        record["torch_gpus"] = accel.count
+        if not args.no_collective:
+            sizes = [int(size) for size in args.sizes.split(",")]
+            record.update(collective(torch, xdist, accel, sizes, args.timeout))
+    except Exception as error:  # noqa: BLE001  (reported, not raised: the verdict is rank 0's)
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        record["collective_error"] = "%s: %s" % (type(error).__name__, first_line)
     print(json.dumps(record), flush=True)
     # gloo can abort at interpreter exit after a finished group (docs/ARCHITECTURE.md): leave now.
     sys.stderr.flush()
