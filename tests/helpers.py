@@ -33,6 +33,22 @@ def summary(output: str) -> dict:
     return records.whole_summary(found[-1])
 
 
+def whole_summary_lines(output: str) -> list[dict]:
+    """Every XSCALE_SUMMARY line of a job's output (srun --label's included), each parsed by
+    json.loads as it stands, with no rejoining: what a user's `grep XSCALE_SUMMARY | cut | jq`
+    gets. The last one's summary file exists and holds every field of the line, with the same
+    values, and the start-up detail the line leaves out."""
+    texts = [line.split("XSCALE_SUMMARY ", 1)[1] for line in output.splitlines()
+             if "XSCALE_SUMMARY " in line]
+    assert texts, f"no XSCALE_SUMMARY line in output:\n{output[-4000:]}"
+    found = [json.loads(text) for text in texts]
+    last = found[-1]
+    whole = json.loads(Path(last["summary_file"]).read_text())
+    assert {name: whole.get(name) for name in last} == last, (last, whole)
+    assert isinstance(whole["startup"], dict) and "startup" not in last, whole
+    return found
+
+
 def rank_records(output: str, tag: str = "XSCALE_RANK") -> list[dict]:
     return tagged_records(output, tag)
 

@@ -111,3 +111,32 @@ def test_report_input_errors_are_one_line_and_status_2(tmp_path, case):
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("xscale.report: error:")
+
+
+def test_report_reads_the_summary_file_itself_or_through_the_line_that_names_it(tmp_path,
+                                                                                capsys):
+    """The line leaves the phases to OUTPUT_DIR/xscale-summary.json: with no XSCALE_RANK lines
+    the table comes from the file, whether the report is given the job output or the file; a
+    file a later run replaced (another `steps`) is not this run's, and is not read."""
+    from xscale import runlog
+
+    record = {"trainer": "mnist_ddp", "world_size": 4, "nodes": 2, "start_step": 0,
+              "steps": 3, "samples_per_s": 10.0, "tokens_per_s": None, "loss_first": 2.3,
+              "loss_last": 2.1, "seconds": 9.5, "stopped_early": False,
+              "startup": startup.aggregate(RANKS),
+              "summary_file": runlog.summary_path(tmp_path / "run")}
+    runlog.emit_summary(record)
+    output = tmp_path / "job.out"
+    output.write_text(capsys.readouterr().out)
+    assert '"startup"' not in output.read_text()
+    for given in (output, record["summary_file"]):
+        proc = report(str(given))
+        assert proc.returncode == 0, proc.stderr
+        imports = next(line for line in proc.stdout.splitlines()
+                       if line.split()[:1] == ["imports"])
+        assert imports.split()[1:4] == ["2.600s", "6.100s", "2@nid002"], proc.stdout
+        assert "4 ranks on 2 nodes" in proc.stdout
+    replaced = json.loads(record["summary_file"].read_text())
+    record["summary_file"].write_text(json.dumps({**replaced, "steps": 9}))
+    proc = report(str(output))
+    assert proc.returncode == 0 and "start-up" not in proc.stdout, proc.stdout
