@@ -26,6 +26,15 @@ PYTHON_DIRS = (os.path.join(HERE, os.pardir, os.pardir, "python"),
                "/opt/xscale/python")
 
 
+def gpus_seen(torch):
+    """How many GPUs torch sees, for the `gpus` check, as torch.cuda (which covers ROCm: HIP
+    answers it) or torch.xpu count them; 0 with a CPU-only torch."""
+    xpu = getattr(torch, "xpu", None)
+    if not torch.cuda.is_available() and xpu is not None and xpu.is_available():
+        return xpu.device_count()
+    return torch.cuda.device_count()
+
+
 def xscale_dist():
     """xscale.dist, the trainers' device and backend choice."""
     for folder in PYTHON_DIRS:
@@ -97,13 +106,13 @@ def main():
     import torch
     record = {"import_s": round(time.perf_counter() - started, 3), "torch": torch.__version__,
               "nnodes": int(os.environ.get("NNODES", "1"))}
+    record["torch_gpus"] = gpus_seen(torch)
     try:
-        xdist = xscale_dist()
-        accel = xdist.probe_accelerator()
-        record["torch_gpus"] = accel.count
         if not args.no_collective:
+            xdist = xscale_dist()
             sizes = [int(size) for size in args.sizes.split(",")]
-            record.update(collective(torch, xdist, accel, sizes, args.timeout))
+            record.update(collective(torch, xdist, xdist.probe_accelerator(), sizes,
+                                     args.timeout))
     except Exception as error:  # noqa: BLE001  (reported, not raised: the verdict is rank 0's)
         first_line = (str(error).strip().splitlines() or [""])[0][:300]
         record["collective_error"] = "%s: %s" % (type(error).__name__, first_line)
