@@ -144,8 +144,8 @@ class Loop:
         self._voted_at: int | None = None
         self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
         self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=start_step,
-                                       total_steps=end_step, log_every=sync_every,
-                                       tensorboard_dir=tensorboard_dir, desc=trainer)
+                                   total_steps=end_step, log_every=sync_every,
+                                   tensorboard_dir=tensorboard_dir, desc=trainer)
         self.window = profiling.window_from_env(ctx.rank, ctx.device)
         self.stragglers = None if model is None else stragglers.watch(
             model, ctx.device, ctx.rank, ctx.world_size, say=self.log.message)
