@@ -16,14 +16,12 @@ import sys
 import time
 from datetime import timedelta
 
-# Where xscale's python/ is: beside runscripts/ in a checkout (Aurora, the test bed, any job that
-# runs runscripts/ from the checkout), in the checkout a LUMI job binds at its own path
-# (XSCALE_ROOT, exported by jobs/lib/lumi.sh), or in xscale's images (/opt/xscale/python, also
-# on their PYTHONPATH).
+# Where xscale's python/ is: beside runscripts/ in a checkout (Aurora, any job that runs
+# runscripts/ from the checkout), in the checkout a job binds at its own path: XSCALE_ROOT
+# (exported by jobs/lib/lumi.sh), else SLURM_SUBMIT_DIR (the templates' default XSCALE_ROOT,
+# srun's directory on the test bed); or in xscale's images (/opt/xscale/python, also on their
+# PYTHONPATH).
 HERE = os.path.dirname(os.path.abspath(__file__))
-PYTHON_DIRS = (os.path.join(HERE, os.pardir, os.pardir, "python"),
-               os.path.join(os.environ.get("XSCALE_ROOT") or "/nonexistent", "python"),
-               "/opt/xscale/python")
 
 
 def gpus_seen(torch):
@@ -35,14 +33,23 @@ def gpus_seen(torch):
     return torch.cuda.device_count()
 
 
+def python_dirs():
+    roots = [os.environ.get(name) for name in ("XSCALE_ROOT", "SLURM_SUBMIT_DIR")]
+    return [os.path.join(HERE, os.pardir, os.pardir, "python"),
+            *(os.path.join(root, "python") for root in roots if root), "/opt/xscale/python"]
+
+
 def xscale_dist():
     """xscale.dist, the trainers' device and backend choice."""
-    for folder in PYTHON_DIRS:
+    for folder in python_dirs():
         if os.path.isfile(os.path.join(folder, "xscale", "dist.py")):
             sys.path.insert(0, os.path.normpath(folder))
             break
-    from xscale import dist
-
+    try:
+        from xscale import dist
+    except ImportError as error:
+        raise ImportError("xscale's python/ is not in %s nor on PYTHONPATH (%s): set XSCALE_ROOT "
+                          "to the checkout" % (", ".join(python_dirs()), error)) from None
     return dist
 
 
