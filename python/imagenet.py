@@ -20,7 +20,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from xscale import accounting, checkpoint, data, lifecycle, runtime, vision
+from xscale import checkpoint, data, lifecycle, runtime, vision
 from xscale.dist import DistContext
 from xscale.runtime import Loop
 
@@ -70,30 +70,25 @@ def train(args: argparse.Namespace, ctx: DistContext) -> int:
     torch.manual_seed(args.seed + ctx.rank)  # each rank its own augmentation stream
     resumed = checkpoint.resume_training(args.output_dir, model, optimizer, scaler,
                                          rank=ctx.rank, enabled=args.resume)
-    start_step = resumed or 0
     sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
     loader = data.make_loader(train_set, sampler, batch_size=batch_size, workers=workers,
                               device=ctx.device, drop_last=True)
     per_epoch = data.steps_per_epoch(sampler, batch_size, args.grad_accum_steps)
-    end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
     val_loader = None if val_set is None else data.make_loader(
         val_set, data.ShardSampler(val_set, ctx.world_size, ctx.rank), batch_size=batch_size,
         workers=min(workers, 2), device=ctx.device)
-    loop = Loop(ctx, TRAINER, PROG, start_step=start_step, resumed=resumed is not None,
-                end_step=end_step, per_epoch=per_epoch, sync_every=args.print_freq,
-                batch_size=batch_size, accumulation=args.grad_accum_steps,
-                checkpoint_every=args.checkpoint_every,
-                save=checkpoint.training_saver(args.output_dir, model, optimizer, scaler,
-                                               is_main=ctx.is_main, keep=args.keep_checkpoints,
-                                               arch=args.arch),
-                tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"),
-                warmup_steps=min(5, max(1, (end_step or 10) // 10)), model=model)
+    loop = Loop.from_args(
+        ctx, TRAINER, PROG, args, resumed=resumed, per_epoch=per_epoch, batch_size=batch_size,
+        save=checkpoint.training_saver(args.output_dir, model, optimizer, scaler,
+                                       is_main=ctx.is_main, keep=args.keep_checkpoints,
+                                       arch=args.arch),
+        model=model, warmup_steps=None)
     loop.log.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes, "
                      f"{len(train_set)} training images); {ctx.world_size} ranks on "
                      f"{ctx.nnodes} nodes, {ctx.device.type}, {ctx.backend}; {batch_size} images "
                      f"per rank, {workers} workers per rank")
     if resumed is not None:
-        loop.log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
+        loop.log.message(f"{PROG}: resuming from step {resumed} in {args.output_dir}")
 
     results: dict[str, float] = {}
     model.train()
@@ -112,16 +107,16 @@ def train(args: argparse.Namespace, ctx: DistContext) -> int:
             optimizer.zero_grad(set_to_none=True)
         loop.record(loss, len(labels))
         if loop.epoch_ended and val_loader is not None:
-            results = accounting.evaluate_classifier(model, val_loader, ctx.device, amp())
+            results = vision.evaluate_classifier(model, val_loader, ctx.device, amp())
             loop.log.message(f"{PROG}: epoch {epoch} accuracy {results['accuracy']:.4f}")
             loop.log.scalar("val/accuracy", results["accuracy"], loop.step)
     loop.finish()
 
     if not loop.stopped and val_loader is not None:  # after a stop: time for the checkpoint
-        results = accounting.evaluate_classifier(model, val_loader, ctx.device, amp())
-    loop.report(model, epoch=loop.epoch, arch=args.arch, image_size=args.image_size,
-                amp=args.amp, accuracy=results.get("accuracy"), val_loss=results.get("loss"),
-                val_samples=results.get("samples"))
+        results = vision.evaluate_classifier(model, val_loader, ctx.device, amp())
+    loop.report(model, accuracy=results.get("accuracy"), val_loss=results.get("loss"),
+                val_samples=results.get("samples"), epoch=loop.epoch, arch=args.arch,
+                image_size=args.image_size, amp=args.amp)
     return 0
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from xscale import accounting, data, ds, lifecycle, runtime, vision
+from xscale import data, ds, lifecycle, runtime, vision
 from xscale.dist import DistContext
 from xscale.runtime import Loop
 
@@ -59,7 +59,7 @@ def evaluate(engine: torch.nn.Module, val_set: torch.utils.data.Dataset, ctx: Di
     loader = data.make_loader(val_set, data.ShardSampler(val_set, ctx.world_size, ctx.rank),
                               batch_size=batch_size, workers=0, device=ctx.device)
     batches = ((images.to(dtype), labels) for images, labels in loader)
-    return accounting.evaluate_classifier(engine, batches, ctx.device)
+    return vision.evaluate_classifier(engine, batches, ctx.device)
 
 
 def train(args: argparse.Namespace, ctx: DistContext, config: dict) -> int:
@@ -82,25 +82,20 @@ def train(args: argparse.Namespace, ctx: DistContext, config: dict) -> int:
 
     torch.manual_seed(args.seed + ctx.rank)  # each rank its own augmentation stream
     resumed = ds.resume(engine, args.output_dir, ctx.rank, enabled=args.resume)
-    start_step = resumed or 0
     sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
     loader = data.make_loader(train_set, sampler, batch_size=batch_size, workers=args.workers,
                               device=ctx.device, drop_last=True)
     per_epoch = data.steps_per_epoch(sampler, batch_size, accumulation)
-    end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
-    loop = Loop(ctx, TRAINER, PROG, start_step=start_step, resumed=resumed is not None,
-                end_step=end_step, per_epoch=per_epoch, sync_every=args.print_freq,
-                batch_size=batch_size, accumulation=accumulation,
-                checkpoint_every=args.checkpoint_every,
-                save=ds.saver(engine, args.output_dir, args.keep_checkpoints),
-                tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"),
-                warmup_steps=min(5, max(1, (end_step or 10) // 10)), model=engine)
+    loop = Loop.from_args(
+        ctx, TRAINER, PROG, args, resumed=resumed, per_epoch=per_epoch, batch_size=batch_size,
+        accumulation=accumulation, save=ds.saver(engine, args.output_dir, args.keep_checkpoints),
+        model=engine, warmup_steps=None)
     loop.log.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes); "
                      f"{ctx.world_size} ranks, {ctx.device.type}, {ctx.backend}; ZeRO stage "
                      f"{engine.zero_optimization_stage()}, {dtype}; {batch_size} images per rank, "
                      f"{config['train_batch_size']} per step")
     if resumed is not None:
-        loop.log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
+        loop.log.message(f"{PROG}: resuming from step {resumed} in {args.output_dir}")
 
     engine.train()
     for _, (images, labels) in loop.batches(loader, sampler, args.epochs):
@@ -116,10 +111,10 @@ def train(args: argparse.Namespace, ctx: DistContext, config: dict) -> int:
     results = {}
     if not loop.stopped and val_set is not None:  # after a stop: time for the checkpoint
         results = evaluate(engine, val_set, ctx, batch_size, dtype)
-    loop.report(engine, epoch=loop.epoch, arch=args.arch, image_size=args.image_size,
-                zero_stage=engine.zero_optimization_stage(),
-                dtype=str(dtype).removeprefix("torch."), accuracy=results.get("accuracy"),
-                val_loss=results.get("loss"), val_samples=results.get("samples"))
+    loop.report(engine, accuracy=results.get("accuracy"), val_loss=results.get("loss"),
+                val_samples=results.get("samples"), epoch=loop.epoch, arch=args.arch,
+                image_size=args.image_size, zero_stage=engine.zero_optimization_stage(),
+                dtype=str(dtype).removeprefix("torch."))
     return 0
 
 

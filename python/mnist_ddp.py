@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
-from xscale import accounting, checkpoint, data, lifecycle, runtime
-from xscale.accounting import unwrap
+from xscale import checkpoint, data, lifecycle, runtime, vision
 from xscale.dist import DistContext
 from xscale.lifecycle import UserError
+from xscale.runlog import unwrap
 from xscale.runtime import Loop
 
 TRAINER = "mnist_ddp"
@@ -185,21 +185,18 @@ def train(args: argparse.Namespace, ctx: DistContext, folder: Path) -> int:
     torch.manual_seed(args.seed + ctx.rank)  # each rank its own stream from here on
     resumed = checkpoint.resume_training(args.output_dir, model, optimizer, rank=ctx.rank,
                                          enabled=args.resume)
-    start_step = resumed or 0
     sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
     loader = data.make_loader(train_set, sampler, batch_size=args.batch_size,
                               workers=args.workers, device=ctx.device, drop_last=True)
     per_epoch = data.steps_per_epoch(sampler, args.batch_size, args.grad_accum_steps)
-    loop = Loop(ctx, TRAINER, PROG, start_step=start_step, resumed=resumed is not None,
-                end_step=data.last_step(per_epoch, args.epochs, args.max_steps),
-                per_epoch=per_epoch, sync_every=args.log_every, batch_size=args.batch_size,
-                accumulation=args.grad_accum_steps, checkpoint_every=args.checkpoint_every,
-                save=checkpoint.training_saver(args.output_dir, model, optimizer,
-                                               is_main=ctx.is_main, keep=args.keep_checkpoints),
-                tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"),
-                model=model)
+    loop = Loop.from_args(
+        ctx, TRAINER, PROG, args, resumed=resumed, per_epoch=per_epoch,
+        batch_size=args.batch_size,
+        save=checkpoint.training_saver(args.output_dir, model, optimizer, is_main=ctx.is_main,
+                                       keep=args.keep_checkpoints),
+        model=model)
     if resumed is not None:
-        loop.log.message(f"{PROG}: resuming from step {start_step} in {args.output_dir}")
+        loop.log.message(f"{PROG}: resuming from step {resumed} in {args.output_dir}")
     loop.log.message(f"{PROG}: {ctx.world_size} ranks on {ctx.nnodes} nodes, {ctx.device.type}, "
                      f"{ctx.backend}; {args.batch_size} images per rank, {per_epoch} steps per "
                      "epoch")
@@ -222,7 +219,7 @@ def train(args: argparse.Namespace, ctx: DistContext, folder: Path) -> int:
         test_loader = data.make_loader(
             test_set, data.ShardSampler(test_set, ctx.world_size, ctx.rank), batch_size=256,
             workers=0, device=ctx.device)
-        evaluation = accounting.evaluate_classifier(model, test_loader, ctx.device)
+        evaluation = vision.evaluate_classifier(model, test_loader, ctx.device)
         results = {"accuracy": evaluation["accuracy"], "test_loss": evaluation["loss"],
                    "test_samples": evaluation["samples"]}
         if ctx.is_main and args.modelpath:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -212,3 +213,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture
+def stop_handlers():
+    """Stop handlers installed by the test are removed again, and the stop flag cleared."""
+    from xscale import lifecycle
+
+    saved = {s: signal.getsignal(s) for s in lifecycle.STOP_SIGNALS}
+    lifecycle.reset_stop()
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+    lifecycle._installed = False
+    lifecycle.reset_stop()

@@ -1,12 +1,15 @@
-"""Parsing of the machine-readable lines xscale prints (XSCALE_SUMMARY, XSCALE_RANK, ...), and
-the checks that code meant for a host's system Python is Python 3.6 code."""
+"""Parsing of the machine-readable lines xscale prints (XSCALE_SUMMARY, XSCALE_RANK, ...), the
+checks that code meant for a host's system Python is Python 3.6 code, and two ranks of a program
+on a real gloo group (the library's tests)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +25,28 @@ def tagged_records(output: str, tag: str) -> list[dict]:
 
 
 def summary(output: str) -> dict:
-    """The last XSCALE_SUMMARY record; fails loudly (with the output) when there is none."""
+    """The last run's whole summary: from the file its XSCALE_SUMMARY line names, else the line
+    (xscale.records.whole_summary); fails loudly (with the output) when there is no line."""
     found = tagged_records(output, "XSCALE_SUMMARY")
     if not found:
         raise AssertionError(f"no XSCALE_SUMMARY line in output:\n{output[-4000:]}")
-    return found[-1]
+    return records.whole_summary(found[-1])
+
+
+def whole_summary_lines(output: str) -> list[dict]:
+    """Every XSCALE_SUMMARY line of a job's output (srun --label's included), each parsed by
+    json.loads as it stands, with no rejoining: what a user's `grep XSCALE_SUMMARY | cut | jq`
+    gets. The last one's summary file exists and holds every field of the line, with the same
+    values, and the start-up detail the line leaves out."""
+    texts = [line.split("XSCALE_SUMMARY ", 1)[1] for line in output.splitlines()
+             if "XSCALE_SUMMARY " in line]
+    assert texts, f"no XSCALE_SUMMARY line in output:\n{output[-4000:]}"
+    found = [json.loads(text) for text in texts]
+    last = found[-1]
+    whole = json.loads(Path(last["summary_file"]).read_text())
+    assert {name: whole.get(name) for name in last} == last, (last, whole)
+    assert isinstance(whole["startup"], dict) and "startup" not in last, whole
+    return found
 
 
 def rank_records(output: str, tag: str = "XSCALE_RANK") -> list[dict]:
@@ -81,3 +101,44 @@ def find_python36() -> str | None:
             if probe.returncode == 0:
                 return str(python)
     return None
+
+
+PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1", PYTHONPATH=str(PYTHON_DIR), XSCALE_TIMEOUT_S="60", **extra)
+    return env
+
+
+def run_two_ranks(tmp_path: Path, program: str, *args: str, **extra: str) -> list:
+    script = tmp_path / "two_ranks.py"
+    script.write_text(program)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=rank_env(rank, 2, port, **extra))
+             for rank in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        results.append((proc.returncode, out, err))
+    return results
+
+
+def results_of(runs: list) -> list[dict]:
+    records = []
+    for code, out, err in runs:
+        assert code == 0, err
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        records.append(json.loads(line.split(" ", 1)[1]))
+    return records

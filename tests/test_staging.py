@@ -1,4 +1,5 @@
-"""jobs/lib/stage and jobs/lib/stage-node: an environment or a data set staged once per node.
+"""jobs/lib/stage and jobs/lib/stage-node: an environment or a data set staged once per node;
+and the trainers' own `--stage-tar` (xscale.staging), one unpacker per node.
 
 Without the cluster: the user errors stage refuses before anything is broadcast, and what one
 node does with a bad archive or a full target (stage-node, run here as one node would run it).
@@ -13,13 +14,17 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
 import pytest
+from xscale import staging
+from xscale.lifecycle import UserError
 
 from tests.conftest import REPO, Cluster, tool_env
+from tests.helpers import PYTHON_DIR
 
 STAGE = REPO / "jobs" / "lib" / "stage"
 STAGE_NODE = REPO / "jobs" / "lib" / "stage-node"
@@ -242,3 +247,84 @@ def job_id(out: str, tmp_path: Path) -> str:
     works = list(tmp_path.glob(".xscale-stage-*"))
     assert len(works) == 1, (works, out)
     return works[0].name.rsplit("-", 1)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# staging: one unpacker per node, the others wait for its marker
+# ---------------------------------------------------------------------------------------------
+
+
+def make_tar(tmp_path: Path, files: int = 50) -> Path:
+    src = tmp_path / "src" / "dataset"
+    for index in range(files):
+        (src / "train" / f"c{index % 3}").mkdir(parents=True, exist_ok=True)
+        (src / "train" / f"c{index % 3}" / f"{index}.bin").write_bytes(os.urandom(2048))
+    tar_path = tmp_path / "dataset.tar"
+    with tarfile.open(tar_path, "w") as archive:
+        archive.add(src, arcname="dataset")
+    return tar_path
+
+
+STAGE_TAR = ("import sys, json\nfrom xscale import lifecycle, staging\n"
+         "def main():\n"
+         "    path = staging.stage_tar(sys.argv[1], sys.argv[2], local_rank=int(sys.argv[3]),\n"
+         "                             timeout_s=float(sys.argv[4]), poll_s=0.02)\n"
+         "    print(path)\n"
+         "sys.exit(lifecycle.run(main, prog='stage'))\n")
+
+
+def stage_ranks(tar_path: Path, dest: Path, ranks: list[int], timeout_s: float = 60) -> list:
+    """Start the waiting ranks first, then local rank 0: they must wait for its marker."""
+    env = {**os.environ, "PYTHONPATH": str(PYTHON_DIR)}
+    procs = [subprocess.Popen([sys.executable, "-c", STAGE_TAR, str(tar_path), str(dest), str(r),
+                               str(timeout_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+             for r in sorted(ranks, reverse=True)]
+    return [(p.wait(timeout=120), p.stdout.read(), p.stderr.read()) for p in procs]
+
+
+def test_staging_unpacks_once_and_every_local_rank_gets_the_directory(tmp_path):
+    tar_path, dest = make_tar(tmp_path), tmp_path / "node-local"
+    runs = stage_ranks(tar_path, dest, [0, 1, 2, 3])
+    assert [code for code, _, _ in runs] == [0, 0, 0, 0], runs
+    assert {out.strip() for _, out, _ in runs} == {str(dest / "dataset")}
+    staged = sorted(p.relative_to(dest / "dataset").as_posix()
+                    for p in (dest / "dataset").rglob("*.bin"))
+    assert len(staged) == 50 and staged[0].startswith("dataset/train/")
+    assert not list(dest.glob("*.partial"))
+    # A second job on the node finds the marker: nothing is unpacked again.
+    first_mtime = (dest / "dataset").stat().st_mtime_ns
+    assert staging.stage_tar(tar_path, dest, local_rank=0) == dest / "dataset"
+    assert (dest / "dataset").stat().st_mtime_ns == first_mtime
+
+
+def test_two_unpackers_sharing_one_directory_do_not_collide(tmp_path):
+    # Two "nodes" with one /tmp (the virtual cluster), or two jobs of one user on a node.
+    tar_path, dest = make_tar(tmp_path, files=200), tmp_path / "shared-tmp"
+    runs = stage_ranks(tar_path, dest, [0, 0, 1])
+    assert [code for code, _, _ in runs] == [0, 0, 0], runs
+    assert len(list((dest / "dataset").rglob("*.bin"))) == 200
+
+
+def test_a_changed_tarball_is_staged_again(tmp_path):
+    tar_path, dest = make_tar(tmp_path, files=3), tmp_path / "node-local"
+    staging.stage_tar(tar_path, dest, local_rank=0)
+    tar_path = make_tar(tmp_path, files=9)
+    staging.stage_tar(tar_path, dest, local_rank=0)
+    assert len(list((dest / "dataset").rglob("*.bin"))) == 9
+
+
+def test_staging_errors_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        staging.stage_tar(tmp_path / "missing.tar", tmp_path / "dest", local_rank=0)
+    tar_path = make_tar(tmp_path, files=2)
+    with pytest.raises(UserError, match="was not staged .* within 0 s"):
+        staging.stage_tar(tar_path, tmp_path / "dest", local_rank=1, timeout_s=0.1, poll_s=0.02)
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(b"this is not a tarball" * 100)
+    runs = stage_ranks(broken, tmp_path / "dest2", [0, 1], timeout_s=60)
+    assert [code for code, _, _ in runs] == [2, 2]
+    # The waiting rank learns of the failure from the marker, not from its timeout.
+    assert all(err.startswith("stage: error:") and len(err.splitlines()) == 1
+               for _, _, err in runs), runs
+    assert any("local rank 0 failed" in err for _, _, err in runs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from xscale import accounting, stragglers
+from xscale import reductions, stragglers
 from xscale.lifecycle import UserError
 
 
@@ -72,7 +72,7 @@ def test_each_rank_sends_its_seconds_per_step_at_its_own_index():
         watch.step()
     assert watch.contribution().tolist() == [0.0, 0.0, 0.5, 0.0]
     # One all_reduce carries numbers and such vectors alike (one process: the sums are its own).
-    sums = accounting.all_reduce_sums({"stop": 0.0, "work": watch.contribution()})
+    sums = reductions.all_reduce_sums({"stop": 0.0, "work": watch.contribution()})
     assert sums == {"stop": 0.0, "work": [0.0, 0.0, 0.5, 0.0]}
 
 

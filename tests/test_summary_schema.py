@@ -1,6 +1,7 @@
-"""Every trainer ends with the same XSCALE_SUMMARY schema (xscale.accounting.SUMMARY_FIELDS,
-in that order, then the trainer's own fields): what xscale.report, the benchmarks and the job
-templates' users read, whichever trainer wrote it."""
+"""Every trainer ends with the same summary schema (xscale.runlog.SUMMARY_FIELDS, in that order,
+then the trainer's own fields), whole in OUTPUT_DIR/xscale-summary.json and, less the per-phase
+start-up detail, in its last line `XSCALE_SUMMARY {json}`: what xscale.report, the benchmarks
+and the job templates' users read, whichever trainer wrote it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from xscale.accounting import SUMMARY_FIELDS
+from xscale.runlog import FILE_ONLY, SUMMARY_FIELDS
 from xscale.startup import NAMES
 
 from tests.fixtures.imagefolder import write_imagefolder
@@ -28,15 +29,20 @@ TYPES = {
     "tokens_per_s": (float, None), "loss_first": float, "loss_last": float, "seconds": float,
     "train_seconds": float, "stopped_early": bool, "signal": (str, None),
     "checkpoint": (str, None), "checkpoint_stall_s": float, "checkpoints_saved": int,
-    "startup": dict, "straggler": (dict, None),
+    "startup": dict, "straggler": (dict, None), "summary_file": str,
 }
 
 
 @pytest.fixture(scope="module")
-def commands(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+def output_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("schema")
+
+
+@pytest.fixture(scope="module")
+def commands(output_root: Path) -> dict[str, list[str]]:
     from tests.fixtures.tiny_gpt_neo import build
 
-    root = tmp_path_factory.mktemp("schema")
+    root = output_root
     mnist = write_mnist(root / "mnist", train=512, test=128)
     images = write_imagefolder(root / "images")
     model, imdb = build(root / "gpt")
@@ -57,12 +63,13 @@ def commands(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     }
 
 
-def test_every_trainer_writes_the_one_summary_schema(commands):
+def test_every_trainer_writes_the_one_summary_schema(commands, output_root):
     EXTENSIONS.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
+    root = output_root
     for trainer, command in commands.items():
         args = [arg.replace("{name}", trainer) for arg in command]
         # As run.sh would leave it (no srun here: the launch and run.sh phases stay unknown).
@@ -72,8 +79,13 @@ def test_every_trainer_writes_the_one_summary_schema(commands):
         assert proc.returncode == 0, (trainer, proc.stderr[-3000:])
         last = proc.stdout.rstrip().splitlines()[-1]
         assert last.startswith("XSCALE_SUMMARY "), (trainer, last)  # the last line, always
-        record = json.loads(last.removeprefix("XSCALE_SUMMARY "))
+        line = json.loads(last.removeprefix("XSCALE_SUMMARY "))
+        record = json.loads(Path(line["summary_file"]).read_text())
         assert tuple(record)[:len(SUMMARY_FIELDS)] == SUMMARY_FIELDS, (trainer, list(record))
+        # In the run's output directory (GPT-neo's: --output-path/MODEL_NAME, Trainer's).
+        assert Path(line["summary_file"]).is_relative_to((root / trainer).resolve()), line
+        assert line == {name: value for name, value in record.items()
+                        if name not in FILE_ONLY}, (trainer, line)
         for field, kind in TYPES.items():
             kinds = kind if isinstance(kind, tuple) else (kind,)
             value = record[field]

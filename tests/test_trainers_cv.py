@@ -17,7 +17,7 @@ import torch
 
 from tests.fixtures.imagefolder import write_imagefolder, write_tar
 from tests.fixtures.mnist_idx import write_mnist
-from tests.helpers import rank_records, summary
+from tests.helpers import rank_records, summary, whole_summary_lines
 
 REPO = Path(__file__).resolve().parent.parent
 MNIST = "python/mnist_ddp.py"
@@ -286,6 +286,7 @@ TWO_NODES = {"nid001", "nid002"}  # the first two idle nodes, where srun -N2 pla
 def check_run(proc: subprocess.CompletedProcess[str], trainer: str, steps: int | None,
               start_step: int) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(whole_summary_lines(proc.stdout)) == 1  # whole under srun --label, and in its file
     record = summary(proc.stdout)
     assert record["trainer"] == trainer
     assert (record["world_size"], record["nodes"]) == (4, 2)
@@ -318,7 +319,9 @@ def check_stopped(proc: subprocess.CompletedProcess[str], trainer: str) -> dict:
 
 
 def srun_args(*command: str) -> list[str]:
-    return ["-N2", "-n4", "--cpu-bind=none", "singularity", "exec", IMAGE,
+    """As the job templates run the training step: --label, whose 1024-byte cut the summary
+    line must survive."""
+    return ["-N2", "-n4", "--cpu-bind=none", "--label", "singularity", "exec", IMAGE,
             "/runscripts/run.sh", "python", *command]
 
 

@@ -8,6 +8,9 @@
 #   xs_lumi_train python -u "$XSCALE_ROOT/python/mnist_ddp.py" "${TRAIN_ARGS[@]}" "$@"
 [[ -z ${XS_LUMI_PRELUDE:-} ]] || return 0  # a template that builds on another sources it twice
 XS_LUMI_PRELUDE=1
+# The checkout, bound at its own path: the doctor's torch child imports the trainers' device and
+# backend choice from $XSCALE_ROOT/python in any image (runscripts/lib/doctor_torch.py).
+export XSCALE_ROOT
 
 # ---- the image (required) ---------------------------------------------------------------------
 # A LUMI container module exports SIF (module load LUMI PyTorch/...), or give a path, e.g. one of

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xscale.accounting import unwrap
 from xscale.lifecycle import UserError
+from xscale.runlog import unwrap
 
 PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
 TEMP_PREFIX = ".ckpt-"

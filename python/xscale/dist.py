@@ -34,15 +34,10 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class DistContext:
-    """This rank's place, its device and the backend of the (initialised) process group."""
+class DistContext(Placement):
+    """This rank's place (the Placement's fields), its device and the backend of the
+    (initialised) process group."""
 
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    nnodes: int
     device: torch.device
     backend: str | None  # None: one process that joined no group (Hugging Face's Trainer)
 
@@ -53,6 +48,10 @@ class DistContext:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @classmethod
+    def at(cls, placement: Placement, device: torch.device, backend: str | None) -> DistContext:
+        return cls(**vars(placement), device=device, backend=backend)
 
 
 def _whole_number(name: str, value: str) -> int:
@@ -296,16 +295,7 @@ def init_distributed(
         if backend in EAGER_INIT_BACKENDS:
             options["device_id"] = device
         dist.init_process_group(**options)
-    return DistContext(
-        rank=where.rank,
-        world_size=where.world_size,
-        local_rank=where.local_rank,
-        local_world_size=where.local_world_size,
-        node_rank=where.node_rank,
-        nnodes=where.nnodes,
-        device=device,
-        backend=backend,
-    )
+    return DistContext.at(where, device, backend)
 
 
 def _rendezvous(init_method: str | None, world_size: int) -> dict:
@@ -329,10 +319,3 @@ def collective_device() -> torch.device:
                             torch.accelerator.current_device_index())
     return torch.device("cpu")
 
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0

@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import accounting, flight, lifecycle, profiling, progress, runtime, startup, stragglers
+from xscale import flight, lifecycle, profiling, progress, runtime, startup, stragglers
 from xscale.dist import (
     DistContext,
     Placement,
@@ -27,6 +27,7 @@ from xscale.dist import (
     choose_device,
     probe_accelerator,
 )
+from xscale.throughput import Throughput
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -45,11 +46,7 @@ def context(placement: Placement, device: torch.device, backend: str | None) -> 
     failed collective leaves its flight record, as in xscale.runtime.start."""
     startup.mark("group")
     lifecycle.on_failure(flight.record_failure)
-    return DistContext(rank=placement.rank, world_size=placement.world_size,
-                       local_rank=placement.local_rank,
-                       local_world_size=placement.local_world_size,
-                       node_rank=placement.node_rank, nnodes=placement.nnodes, device=device,
-                       backend=backend)
+    return DistContext.at(placement, device, backend)
 
 
 class XscaleTrainer(Trainer):
@@ -108,7 +105,7 @@ class StopOnSignal(TrainerCallback):
 
 class RunRecord(TrainerCallback):
     """What this `train()` call did: its first and last step, the losses it logged, and its
-    throughput through xscale.accounting (first step left out as warm-up).
+    throughput through xscale.throughput (first step left out as warm-up).
 
     Trainer's log_history also holds the entries of the run a checkpoint came from, so the
     losses are collected from `on_log` of this call's steps. Trainer logs the mean loss over
@@ -121,7 +118,7 @@ class RunRecord(TrainerCallback):
         self.start_step = 0
         self.end_step = 0
         self.losses: list[float] = []
-        self.throughput = accounting.Throughput(device, warmup_steps=1)
+        self.throughput = Throughput(device, warmup_steps=1)
         self.progress = progress.Progress(is_main)  # for the step supervisor's goodput ledger
         self._tokens_seen = 0
         self._step_ended = 0.0
@@ -181,7 +178,8 @@ class ProfileSteps(TrainerCallback):
 def write_summary(ctx: DistContext, model: torch.nn.Module, trainer: str, started: float,
                   args: TrainingArguments, record: RunRecord, stop: StopOnSignal,
                   checkpoint: str | None, **own: Any) -> None:
-    """xscale.runtime's XSCALE_RANK and XSCALE_SUMMARY lines for a Trainer run."""
+    """xscale.runtime's XSCALE_RANK and XSCALE_SUMMARY lines for a Trainer run; the whole
+    summary goes into Trainer's output directory, beside its checkpoints."""
     runtime.write_summary(
         ctx, model, trainer=trainer, started=started, start_step=record.start_step,
         steps=record.end_step, meter=record.throughput,
@@ -191,7 +189,7 @@ def write_summary(ctx: DistContext, model: torch.nn.Module, trainer: str, starte
         batch_size=args.per_device_train_batch_size,
         accumulation=args.gradient_accumulation_steps, counts_tokens=True,
         stragglers=stop.watch, checkpoint_stall_s=record.stall_s,
-        checkpoints_saved=record.saves, **own)
+        checkpoints_saved=record.saves, output_dir=args.output_dir, **own)
 
 
 def checkpoint_written(output_dir: str, record: RunRecord) -> str | None:

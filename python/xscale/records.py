@@ -1,5 +1,7 @@
 """The one reader of the machine-readable lines xscale prints: `TAG {json}` (XSCALE_SUMMARY from
-rank 0, XSCALE_RANK from every rank), as they arrive through `srun --label`.
+rank 0, XSCALE_RANK from every rank), as they arrive through `srun --label`, and of the whole
+summary a run leaves in its output directory (xscale-summary.json, which the line's
+`summary_file` names: the line leaves out the per-phase start-up detail, xscale.runlog).
 
 Shared with the batch host: jobs/lib/supervisor.py reads a step's summary with it to tell a
 finished training from a stopped one, and `python -m xscale.report` and the tests read the same
@@ -12,8 +14,10 @@ import json
 import re
 
 # srun --label cuts every output line after 1024 bytes and prints the rest as a line of its own,
-# labelled again ("0: AAA...A" then "0: AAA"): the job templates run srun --label, and
-# XSCALE_SUMMARY can be longer than that. Measured with Slurm 22.05 (tests/test_xscale_lib.py).
+# labelled again ("0: AAA...A" then "0: AAA"): the job templates run srun --label. xscale's own
+# summary line stays shorter (xscale.runlog.LINE_BUDGET); a trainer's other long lines, and the
+# summaries of xscale before it did, are joined again here. Measured with Slurm 22.05
+# (tests/test_records.py).
 SRUN_LABEL_CUT = 1024
 SRUN_LABEL = re.compile(r"^ *(\d+): (.*)$")
 
@@ -60,3 +64,28 @@ def tagged(lines, tag, skip_invalid=False):
             if not skip_invalid:
                 raise
     return found
+
+
+def whole_summary(record):
+    """The whole summary the line RECORD names (its `summary_file`), when that file is still
+    the same run's: every field of the line has the same value in it (a later run in the same
+    output directory replaces the file). Else RECORD itself; None-safe for old lines."""
+    path = record.get("summary_file") if isinstance(record, dict) else None
+    if not path:
+        return record
+    try:
+        whole = read_summary_file(path)
+    except (OSError, ValueError):
+        return record
+    if all(whole.get(name, object()) == value for name, value in record.items()):
+        return whole
+    return record
+
+
+def read_summary_file(path):
+    """A summary file's record; ValueError when it is not one (not JSON, or not an object)."""
+    with open(path) as handle:
+        record = json.load(handle)
+    if not isinstance(record, dict):
+        raise ValueError("%s: not a JSON object" % path)
+    return record

@@ -1,9 +1,11 @@
-"""Readable summary of a finished run: `python -m xscale.report JOB_OUTPUT_FILE [--png]`.
+"""Readable summary of a finished run: `python -m xscale.report JOB_OUTPUT_FILE [--png]`, or
+`python -m xscale.report OUTPUT_DIR/xscale-summary.json`.
 
 Reads the machine-readable lines a trainer prints (XSCALE_SUMMARY from rank 0, XSCALE_RANK from
 every rank), run.sh's `xscale: launcher=...` line and the step supervisor's XSCALE_GOODPUT, and
-prints what a person wants to know, with the start-up phases (xscale.startup): each phase's
-median and slowest rank@node.
+the whole summary in the file the summary line names (xscale.records.whole_summary), or that
+file alone; prints what a person wants to know, with the start-up phases (xscale.startup): each
+phase's median and slowest rank@node.
 `--png` also draws them, one row per node, into JOB_OUTPUT_FILE.startup.png (xscale.picture).
 Bad input (no such file, no summary, no phases to draw) is one line on stderr and status 2.
 """
@@ -11,6 +13,7 @@ Bad input (no such file, no summary, no phases to draw) is one line on stderr an
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -49,10 +52,11 @@ def losses(summary: dict) -> str:
 def render(lines: list[str]) -> str:
     summary = last_summary(lines)
     nodes = sorted({record["node"] for record in records.tagged(lines, "XSCALE_RANK")})
+    where = f"{len(nodes)} nodes ({', '.join(nodes)})" if nodes \
+        else f"{summary.get('nodes', '?')} nodes"
     rows = [
         ("trainer", summary.get("trainer", "?")),
-        ("world size", f"{summary['world_size']} ranks on {len(nodes) or '?'} nodes "
-                       f"({', '.join(nodes)})"),
+        ("world size", f"{summary['world_size']} ranks on {where}"),
         ("master", rendezvous(lines)),
         ("loss", losses(summary)),
         ("throughput", throughput(summary)),
@@ -75,10 +79,12 @@ def render(lines: list[str]) -> str:
 
 
 def last_summary(lines: list[str]) -> dict:
+    """The last run's summary: the whole record from its file when the line names one that is
+    still there, else the line's."""
     summaries = records.tagged(lines, "XSCALE_SUMMARY")
     if not summaries:
         raise ReportError("no XSCALE_SUMMARY line (did the run finish?)")
-    return summaries[-1]
+    return records.whole_summary(summaries[-1])
 
 
 def rank_phases(lines: list[str], summary: dict) -> list[startup.RankPhases]:
@@ -104,6 +110,18 @@ def startup_section(summary: dict, ranks: list[startup.RankPhases]) -> str:
                        *("  " + line for line in startup.table(phases))])
 
 
+def read_output(output: Path) -> list[str]:
+    """The job output's lines; a summary file (JSON, one object) as the one summary line it
+    stands for."""
+    if output.suffix != ".json":
+        return output.read_text(errors="replace").splitlines()
+    try:
+        record = records.read_summary_file(output)
+    except ValueError as error:
+        raise ReportError(f"{output}: not a summary file ({error})") from None
+    return [f"XSCALE_SUMMARY {json.dumps(record)}"]
+
+
 def png_path(output: Path) -> Path:
     return output.with_name(output.name + ".startup.png")
 
@@ -111,7 +129,7 @@ def png_path(output: Path) -> Path:
 def report(output: Path, png: bool) -> None:
     if not output.is_file():
         raise ReportError(f"no such file: {output}")
-    lines = output.read_text(errors="replace").splitlines()
+    lines = read_output(output)
     text = render(lines)
     ranks = rank_phases(lines, last_summary(lines))
     if png and not ranks:  # before any output: a bad input is one line, nothing else
@@ -136,7 +154,8 @@ def save_picture(ranks: list[startup.RankPhases], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output", type=Path, help="the job's output file")
+    parser.add_argument("output", type=Path,
+                        help="the job's output file, or a run's xscale-summary.json")
     parser.add_argument("--png", action="store_true",
                         help="also draw the start-up phases, one row per node, into "
                              "OUTPUT.startup.png")

@@ -1,7 +1,7 @@
 """The trainer runtime: what every trainer does around its own model, data and step.
 
     ctx = runtime.start(PROG, require_gpu=args.gpu)        # signals, device, backend, group
-    loop = runtime.Loop(ctx, TRAINER, ...)                  # from the resumed step
+    loop = runtime.Loop.from_args(ctx, TRAINER, PROG, args, ...)   # from the resumed step
     for epoch, batch in loop.batches(loader, sampler):      # micro-batches, until done or stopped
         ... forward, backward, optimizer step when loop.boundary ...
         loop.record(loss, samples)                          # rates, log, checkpoint, stop vote
@@ -26,6 +26,7 @@ included, is the summary's `checkpoint_stall_s`.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -38,17 +39,19 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from xscale import (
-    accounting,
     checkpoint,
     data,
     flight,
     lifecycle,
     profiling,
     progress,
+    runlog,
     startup,
     stragglers,
 )
 from xscale.dist import DistContext, init_distributed
+from xscale.reductions import all_reduce_sums, gather_to_rank0
+from xscale.throughput import Throughput
 
 # The summary's `seconds` run from here: the trainer's imports are done, nothing else is.
 STARTED = time.perf_counter()
@@ -86,7 +89,7 @@ def vote(reduce: Callable[..., dict[str, Any]] | None = None,
     extra: dict[str, Any] = {"stop": 0.0 if lifecycle.stop_received() is None else 1.0, **shared}
     if watch is not None:
         extra["work"] = watch.contribution()
-    sums = accounting.all_reduce_sums(extra) if reduce is None else reduce(**extra)
+    sums = all_reduce_sums(extra) if reduce is None else reduce(**extra)
     if watch is not None:
         watch.observe(sums["work"])
     return sums["stop"] > 0, {name: sums[name] for name in shared}
@@ -110,7 +113,8 @@ class Loop:
     save(step, epoch) writes a checkpoint (a collective where the trainer's checkpoint is) and
     returns where; None when the run has no output directory. A save that writes in the
     background also has wait() and last_write_s (xscale.checkpoint.TrainingSaver). With `model`,
-    its own work per step is watched for a straggler (xscale.stragglers).
+    its own work per step is watched for a straggler (xscale.stragglers). The whole summary goes
+    into `output_dir` (xscale.runlog.SUMMARY_FILE).
     """
 
     def __init__(self, ctx: DistContext, trainer: str, prog: str, *, start_step: int,
@@ -118,8 +122,9 @@ class Loop:
                  save: Callable[[int, int], Path] | None, checkpoint_every: int | str = 0,
                  resumed: bool = False, accumulation: int = 1, batch_size: int,
                  tensorboard_dir: Path | None = None, warmup_steps: int = 1,
-                 model: nn.Module | None = None) -> None:
+                 model: nn.Module | None = None, output_dir: Path | None = None) -> None:
         self.ctx, self.trainer, self.prog = ctx, trainer, prog
+        self.output_dir = output_dir
         self.started = STARTED
         self.start_step = self.step = start_step
         self.end_step, self.per_epoch = end_step, per_epoch
@@ -137,14 +142,36 @@ class Loop:
         self.stopped = False
         self._micro = 0  # micro-batches of the optimizer step under way
         self._voted_at: int | None = None
-        self.meter = accounting.Throughput(ctx.device, warmup_steps=warmup_steps)
-        self.log = accounting.TrainLog(is_main=ctx.is_main, start_step=start_step,
-                                       total_steps=end_step, log_every=sync_every,
-                                       tensorboard_dir=tensorboard_dir, desc=trainer)
+        self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
+        self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=start_step,
+                                   total_steps=end_step, log_every=sync_every,
+                                   tensorboard_dir=tensorboard_dir, desc=trainer)
         self.window = profiling.window_from_env(ctx.rank, ctx.device)
         self.stragglers = None if model is None else stragglers.watch(
             model, ctx.device, ctx.rank, ctx.world_size, say=self.log.message)
         self.progress = progress.Progress(ctx.is_main)
+
+    @classmethod
+    def from_args(cls, ctx: DistContext, trainer: str, prog: str, args: argparse.Namespace, *,
+                  resumed: int | None, per_epoch: int, batch_size: int,
+                  save: Callable[[int, int], Path] | None, model: nn.Module,
+                  accumulation: int | None = None, warmup_steps: int | None = 1) -> Loop:
+        """The loop of a trainer with xscale's common command line: --max-steps and --epochs
+        (the end step), --log-every (the vote and the log), --checkpoint-every, --output-dir
+        (the summary; TensorBoard in OUTPUT_DIR/tb unless --logging-dir), --grad-accum-steps
+        (unless the trainer's config decides: `accumulation`). `resumed`: the step the run
+        resumed from, None for a fresh start. `warmup_steps` None: a tenth of the run, 1 to 5
+        steps (the rate of a short benchmark run starts after its kernel search)."""
+        end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
+        if warmup_steps is None:
+            warmup_steps = min(5, max(1, (end_step or 10) // 10))
+        return cls(ctx, trainer, prog, start_step=resumed or 0, resumed=resumed is not None,
+                   end_step=end_step, per_epoch=per_epoch, sync_every=args.log_every,
+                   batch_size=batch_size,
+                   accumulation=args.grad_accum_steps if accumulation is None else accumulation,
+                   checkpoint_every=args.checkpoint_every, save=save,
+                   tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"),
+                   warmup_steps=warmup_steps, model=model, output_dir=args.output_dir)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -290,23 +317,25 @@ class Loop:
                       stopped=self.stopped, checkpoint=self.saved_path,
                       batch_size=self.batch_size, accumulation=self.accumulation,
                       counts_tokens=False, stragglers=self.stragglers,
-                      checkpoint_stall_s=self.stall_s, checkpoints_saved=self.saves, **own)
+                      checkpoint_stall_s=self.stall_s, checkpoints_saved=self.saves,
+                      output_dir=self.output_dir, **own)
 
 
 def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: float,
-                  start_step: int, steps: int, meter: accounting.Throughput,
+                  start_step: int, steps: int, meter: Throughput,
                   loss_first: float | None, loss_last: float | None, stopped: bool,
                   checkpoint: object | None, batch_size: int, accumulation: int,
                   counts_tokens: bool, stragglers: stragglers.StragglerWatch | None = None,
                   checkpoint_stall_s: float = 0.0, checkpoints_saved: int = 0,
-                  **own: Any) -> None:
-    """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer."""
+                  output_dir: str | Path | None = None, **own: Any) -> None:
+    """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer; the whole
+    summary also into OUTPUT_DIR/xscale-summary.json (xscale.runlog)."""
     rates = meter.reduced()
-    node, phases = accounting.node_name(), startup.rank_phases()
-    accounting.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node, steps=steps,
-                           param_digest=accounting.param_digest(model), startup=phases)
+    node, phases = runlog.node_name(), startup.rank_phases()
+    runlog.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node, steps=steps,
+                       param_digest=runlog.param_digest(model), startup=phases)
     # Once per run, at its end: rank 0 needs every rank's phases for the slowest one's node.
-    every_rank = accounting.gather_to_rank0((ctx.rank, node, phases))
+    every_rank = gather_to_rank0((ctx.rank, node, phases))
     if not ctx.is_main:
         return
     started_up = startup.aggregate(startup.RankPhases(*record) for record in every_rank)
@@ -317,11 +346,12 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "start_step": start_step, "steps": steps, "batch_size": batch_size,
         "global_batch_size": batch_size * accumulation * ctx.world_size,
         "accumulation": accumulation,
-        "samples_per_s": rates["samples_per_s"],
-        "samples_per_s_per_rank": rates["samples_per_s_per_rank"],
-        "tokens_per_s": rates["tokens_per_s"] if counts_tokens else None,
-        "loss_first": loss_first, "loss_last": loss_last,
-        "seconds": time.perf_counter() - started, "train_seconds": meter.local().seconds,
+        "samples_per_s": round(rates["samples_per_s"], 3),
+        "samples_per_s_per_rank": round(rates["samples_per_s_per_rank"], 3),
+        "tokens_per_s": round(rates["tokens_per_s"], 3) if counts_tokens else None,
+        "loss_first": significant(loss_first), "loss_last": significant(loss_last),
+        "seconds": round(time.perf_counter() - started, 3),
+        "train_seconds": round(meter.local().seconds, 3),
         "stopped_early": stopped,
         "signal": lifecycle.signal_name(lifecycle.stop_received()),
         "checkpoint": checkpoint,
@@ -329,8 +359,17 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "checkpoints_saved": checkpoints_saved,
         "startup": started_up,
         "straggler": None if stragglers is None else stragglers.summary(),
+        "summary_file": runlog.summary_path(output_dir),
     }
-    accounting.emit(**accounting.summary_fields(common, own))
+    own = {name: significant(value) if isinstance(value, float) else value
+           for name, value in own.items()}
+    runlog.emit_summary(runlog.summary_record(common, own))
+
+
+def significant(value: float | None, digits: int = 6) -> float | None:
+    """VALUE to DIGITS significant digits: a loss or an accuracy needs no more, and the summary
+    line has no bytes to spare for float noise."""
+    return None if value is None else float(f"{value:.{digits}g}")
 
 
 def print_startup(phases: dict[str, dict], ranks: int) -> None:

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from xscale import accounting
 from xscale.lifecycle import UserError
+from xscale.reductions import gather_to_rank0
+from xscale.runlog import node_name, unwrap
 
 FACTOR_ENV, INTERVALS_ENV = "XSCALE_STRAGGLER_FACTOR", "XSCALE_STRAGGLER_INTERVALS"
 DEFAULT_FACTOR, DEFAULT_INTERVALS = 2.0, 3
@@ -68,7 +69,7 @@ class WorkClock:
         self._host = 0.0
         self._started: float | torch.Event | None = None
         self._spans: list[tuple[torch.Event, torch.Event]] = []
-        inner = accounting.unwrap(model)
+        inner = unwrap(model)
         inner.register_forward_pre_hook(self._forward_starts)
         inner.register_forward_hook(self._forward_ends)
 
@@ -172,6 +173,6 @@ def watch(model: nn.Module, device: torch.device, rank: int, world_size: int,
     """A watch over this rank's own work (a collective: every rank calls it, to give rank 0 the
     ranks' nodes)."""
     factor, intervals = settings()
-    nodes = accounting.gather_to_rank0(accounting.node_name())
+    nodes = gather_to_rank0(node_name())
     return StragglerWatch(WorkClock(model, device), rank, world_size, nodes, factor, intervals,
                           say)

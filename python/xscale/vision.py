@@ -1,12 +1,14 @@
-"""Image classification pieces shared by imagenet.py and imagenet_deepspeed.py: the
-pytorch/examples command line, ImageFolder data (optionally pre-staged), torchvision models.
+"""Image classification pieces shared by the trainers: the pytorch/examples command line,
+ImageFolder data (optionally pre-staged) and torchvision models of imagenet.py and
+imagenet_deepspeed.py, and the evaluation of any classifier over every rank's shard (mnist_ddp.py
+too).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from torchvision import datasets, transforms
 from xscale import checkpoint, staging
 from xscale.dist import DistContext
 from xscale.lifecycle import UserError
+from xscale.reductions import SumMeter, mean
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -43,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, workers_per: str) -> None:
                              "GCD)")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
-    parser.add_argument("-p", "--print-freq", type=int, default=10, metavar="N",
-                        help="reduce and log the loss every N steps")
+    parser.add_argument("-p", "--print-freq", "--log-every", type=int, default=10, metavar="N",
+                        dest="log_every", help="reduce and log the loss every N steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=None,
                         help="number of ranks in the job (default: WORLD_SIZE from run.sh)")
@@ -88,9 +91,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.arch not in architectures():
         parser.error(f"--arch '{args.arch}' is not a torchvision model (e.g. resnet18, "
                      "resnet50, mobilenet_v3_small)")
-    for name in ("batch_size", "epochs", "image_size", "keep_checkpoints", "print_freq"):
+    for name, option in (("batch_size", "--batch-size"), ("epochs", "--epochs"),
+                         ("image_size", "--image-size"), ("keep_checkpoints", "--keep-checkpoints"),
+                         ("log_every", "--print-freq")):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
+            parser.error(f"{option} must be positive")
     if args.workers < 0 or (args.max_steps is not None and args.max_steps < 1):
         parser.error("--workers must be >= 0 and --max-steps positive")
     if args.multiprocessing_distributed:
@@ -200,3 +205,35 @@ def step_lr(base_lr: float, epoch: int) -> float:
     """pytorch/examples' schedule: divide by 10 every 30 epochs (a function of the epoch, so a
     resumed run needs no scheduler state)."""
     return base_lr * (0.1 ** (epoch // 30))
+
+
+def evaluate_classifier(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    autocast: AbstractContextManager | None = None,
+) -> dict[str, float]:
+    """Mean cross-entropy loss and top-1 accuracy over every rank's share of the data set.
+
+    Returns loss, accuracy and samples (the total over ranks), identical on every rank.
+    """
+    was_training = model.training
+    model.eval()
+    meter = SumMeter()
+    meter.add(loss_sum=0.0, correct=0.0, samples=0.0)  # a rank with an empty shard still reduces
+    with torch.no_grad():
+        for inputs, targets in batches:
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            with autocast or nullcontext():
+                logits = model(inputs)
+            loss = nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+            correct = (logits.argmax(dim=1) == targets).sum()
+            meter.add(loss_sum=loss, correct=correct, samples=targets.numel())
+    model.train(was_training)
+    sums = meter.reduce()
+    return {
+        "loss": mean(sums, "loss_sum", "samples"),
+        "accuracy": mean(sums, "correct", "samples"),
+        "samples": int(sums["samples"]),
+    }

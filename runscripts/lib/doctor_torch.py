@@ -3,6 +3,10 @@
 how many GPUs torch sees, and, with the other ranks, a few timed all-reduces. Prints one JSON
 line. A separate process, so that a hung or aborted collective (NCCL's watchdog ends the process)
 costs the doctor this child, not its report.
+
+The device and the backend are the trainers' own choice, from xscale.dist (python/xscale/dist.py):
+one table, so the doctor's all-reduce runs on the backend training will use, with the import
+that registers it (oneccl_bindings_for_pytorch for `ccl` on Aurora's older frameworks modules).
 """
 
 import argparse
@@ -12,29 +16,51 @@ import sys
 import time
 from datetime import timedelta
 
+# Where xscale's python/ is: beside runscripts/ in a checkout (Aurora, any job that runs
+# runscripts/ from the checkout), in the checkout a job binds at its own path: XSCALE_ROOT
+# (exported by jobs/lib/lumi.sh), else SLURM_SUBMIT_DIR (the templates' default XSCALE_ROOT,
+# srun's directory on the test bed); or in xscale's images (/opt/xscale/python, also on their
+# PYTHONPATH).
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-def accelerator(torch):
-    """(device type, GPUs torch sees). CUDA covers ROCm builds (HIP answers torch.cuda)."""
-    if torch.cuda.is_available():
-        return "cuda", torch.cuda.device_count()
+
+def gpus_seen(torch):
+    """How many GPUs torch sees, for the `gpus` check, as torch.cuda (which covers ROCm: HIP
+    answers it) or torch.xpu count them; 0 with a CPU-only torch."""
     xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        return "xpu", xpu.device_count()
-    return "cpu", torch.cuda.device_count()  # 0 with a CPU-only torch
+    if not torch.cuda.is_available() and xpu is not None and xpu.is_available():
+        return xpu.device_count()
+    return torch.cuda.device_count()
 
 
-def backend_for(torch, device_type):
-    """The backend a trainer would use; XSCALE_BACKEND wins, as in the trainers. On Intel GPUs,
-    torch >= 2.8 ships 'xccl'; older frameworks modules register 'ccl' through
-    oneccl_bindings_for_pytorch (ALCF, "PyTorch on Aurora")."""
-    chosen = os.environ.get("XSCALE_BACKEND")
-    if chosen:
-        return chosen
-    if device_type == "cuda":
-        return "nccl"
-    if device_type == "xpu":
-        return "xccl" if torch.distributed.is_backend_available("xccl") else "ccl"
-    return "gloo"
+def python_dirs():
+    roots = [os.environ.get(name) for name in ("XSCALE_ROOT", "SLURM_SUBMIT_DIR")]
+    return [os.path.join(HERE, os.pardir, os.pardir, "python"),
+            *(os.path.join(root, "python") for root in roots if root), "/opt/xscale/python"]
+
+
+def xscale_dist():
+    """xscale.dist, the trainers' device and backend choice."""
+    for folder in python_dirs():
+        if os.path.isfile(os.path.join(folder, "xscale", "dist.py")):
+            sys.path.insert(0, os.path.normpath(folder))
+            break
+    try:
+        from xscale import dist
+    except ImportError as error:
+        raise ImportError("xscale's python/ is not in %s nor on PYTHONPATH (%s): set XSCALE_ROOT "
+                          "to the checkout" % (", ".join(python_dirs()), error)) from None
+    return dist
+
+
+def device_and_backend(xdist, accel):
+    """This rank's device and backend as a trainer's runtime.start() takes them (XSCALE_BACKEND
+    wins), the backend registered: `ccl` exists only once oneccl_bindings_for_pytorch is
+    imported."""
+    device = xdist.choose_device(int(os.environ.get("LOCAL_RANK", "0")), accel=accel)
+    backend = xdist.choose_backend(None, device, accel)
+    xdist.register_backend(backend)
+    return device, backend
 
 
 def synchronize(torch, device_type):
@@ -64,18 +90,14 @@ def sweep(torch, device, device_type, sizes, iterations):
     return results
 
 
-def collective(torch, device_type, count, sizes, timeout):
+def collective(torch, xdist, accel, sizes, timeout):
     dist = torch.distributed
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cpu")
-    if device_type != "cpu" and count:
-        device = torch.device(device_type, local_rank if count > 1 else 0)
-        getattr(torch, device_type).set_device(device)
-    backend = backend_for(torch, device_type)
+    device, backend = device_and_backend(xdist, accel)
+    xdist.use_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     try:
         iterations = 1 if len(sizes) == 1 else 3
-        bandwidth = sweep(torch, device, device_type, sizes, iterations)
+        bandwidth = sweep(torch, device, device.type, sizes, iterations)
         return {"backend": backend, "bandwidth": bandwidth}
     finally:
         dist.destroy_process_group()
@@ -91,15 +113,16 @@ def main():
     import torch
     record = {"import_s": round(time.perf_counter() - started, 3), "torch": torch.__version__,
               "nnodes": int(os.environ.get("NNODES", "1"))}
-    device_type, count = accelerator(torch)
-    record["torch_gpus"] = count
-    if not args.no_collective:
-        sizes = [int(size) for size in args.sizes.split(",")]
-        try:
-            record.update(collective(torch, device_type, count, sizes, args.timeout))
-        except Exception as error:  # noqa: BLE001  (reported, not raised: the verdict is rank 0's)
-            first_line = (str(error).strip().splitlines() or [""])[0][:300]
-            record["collective_error"] = "%s: %s" % (type(error).__name__, first_line)
+    record["torch_gpus"] = gpus_seen(torch)
+    try:
+        if not args.no_collective:
+            xdist = xscale_dist()
+            sizes = [int(size) for size in args.sizes.split(",")]
+            record.update(collective(torch, xdist, xdist.probe_accelerator(), sizes,
+                                     args.timeout))
+    except Exception as error:  # noqa: BLE001  (reported, not raised: the verdict is rank 0's)
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        record["collective_error"] = "%s: %s" % (type(error).__name__, first_line)
     print(json.dumps(record), flush=True)
     # gloo can abort at interpreter exit after a finished group (docs/ARCHITECTURE.md): leave now.
     sys.stderr.flush()

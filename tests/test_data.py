@@ -1,0 +1,120 @@
+"""xscale.data: resumable epochs, exact evaluation shards, loader workers that survive
+Slurm's warning signal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from xscale import data
+from xscale.lifecycle import UserError
+
+from tests.helpers import PYTHON_DIR
+
+# ---------------------------------------------------------------------------------------------
+# data: resumable epochs and exact evaluation shards
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shards_cover_each_sample_exactly_once():
+    dataset = list(range(10))
+    shards = [list(data.ShardSampler(dataset, 4, rank)) for rank in range(4)]
+    assert sorted(i for shard in shards for i in shard) == dataset
+    assert [len(s) for s in shards] == [3, 3, 2, 2]
+
+
+def test_a_resumed_run_sees_the_batches_the_uninterrupted_run_would_have():
+    dataset = torch.utils.data.TensorDataset(torch.arange(40))
+
+    def batches(start: int, stop: int) -> list[tuple[int, int, list[int]]]:
+        sampler = data.ResumableSampler(dataset, num_replicas=2, rank=1, seed=3)
+        loader = data.make_loader(dataset, sampler, batch_size=4, workers=0,
+                                  device=torch.device("cpu"), drop_last=True)
+        return [(step, epoch, batch[0].tolist()) for step, epoch, batch in
+                data.train_batches(loader, sampler, start_step=start, epochs=None,
+                                   max_steps=stop)]
+
+    whole = batches(0, 12)
+    assert [step for step, _, _ in whole] == list(range(12))
+    assert [epoch for _, epoch, _ in whole] == [0] * 5 + [1] * 5 + [2] * 2
+    assert batches(0, 7) + batches(7, 12) == whole
+    assert whole[0][2] != whole[5][2]  # each epoch reshuffled
+
+
+def test_accumulated_steps_resume_at_the_same_micro_batch():
+    dataset = torch.utils.data.TensorDataset(torch.arange(40))
+
+    def batches(start: int, stop: int) -> list[tuple[int, int, list[int]]]:
+        sampler = data.ResumableSampler(dataset, num_replicas=2, rank=0, seed=3)
+        loader = data.make_loader(dataset, sampler, batch_size=3, workers=0,
+                                  device=torch.device("cpu"), drop_last=True)
+        return [(step, epoch, batch[0].tolist()) for step, epoch, batch in
+                data.train_batches(loader, sampler, start_step=start, epochs=None,
+                                   max_steps=stop, accumulation=2)]
+
+    # 20 samples per rank: 6 batches of 3, 3 steps of 2 batches per epoch (2 samples left over).
+    whole = batches(0, 7)
+    assert [step for step, _, _ in whole] == [s for s in range(7) for _ in (0, 1)]
+    assert [epoch for _, epoch, _ in whole] == [0] * 6 + [1] * 6 + [2] * 2
+    assert batches(0, 4) + batches(4, 7) == whole
+
+
+WORKERS_AND_SIGNALS = r"""
+import os, signal, sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+from xscale import data, lifecycle
+if __name__ == "__main__":
+    lifecycle.install_stop_handlers()
+    dataset = TensorDataset(torch.arange(64))
+    sampler = torch.utils.data.SequentialSampler(dataset)
+    if sys.argv[1] == "xscale":  # make_loader: spawn on GPUs, fork on CPUs
+        loader = data.make_loader(dataset, sampler, batch_size=4, workers=2,
+                                  device=torch.device(sys.argv[2]))
+    else:  # a plain DataLoader with the same start method
+        method = "spawn" if sys.argv[2] != "cpu" else "fork"
+        loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2,
+                            persistent_workers=True, multiprocessing_context=method)
+    seen = 0
+    for epoch in range(2):
+        for index, batch in enumerate(loader):
+            seen += len(batch[0])
+            if epoch == 0 and index == 1:  # workers are up: Slurm signals the whole task
+                os.killpg(os.getpgid(0), signal.SIGUSR1)
+    print(seen, lifecycle.stop_received() == signal.SIGUSR1, flush=True)
+    lifecycle.exit_cleanly(0)
+"""
+
+
+@pytest.mark.parametrize("how, start, survives", [
+    ("xscale", "spawn", True), ("xscale", "fork", True),
+    # The control: spawned workers start with SIGUSR1's default action, which kills them.
+    # (Forked ones inherit the parent's handler, so a plain forked loader proves nothing.)
+    ("plain", "spawn", False),
+])
+def test_loader_workers_survive_slurms_warning_signal(tmp_path, how, start, survives):
+    """SIGUSR1 to the whole process group, as Slurm signals a step: make_loader's workers (and
+    the resource tracker spawn uses) live on; a plain DataLoader's die of it. The device is
+    only the choice of start method here: "cuda" stands for a GPU rank."""
+    device = "cuda" if start == "spawn" else "cpu"  # only a name here: no GPU is touched
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS_AND_SIGNALS)
+    proc = subprocess.run([sys.executable, str(script), how, device], capture_output=True,
+                          text=True, timeout=120, start_new_session=True,
+                          env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
+    if survives:
+        assert (proc.returncode, proc.stdout) == (0, "128 True\n"), proc.stderr
+        for symptom in ("killed by signal", "exited unexpectedly", "Traceback", "leaked"):
+            assert symptom not in proc.stderr, proc.stderr
+    else:
+        # The workers die; how the main process learns it varies (a worker-killed error, or a
+        # reset connection while a batch was in flight), but the run always fails.
+        assert proc.returncode != 0 and proc.stdout == "", proc.stderr
+
+
+def test_a_batch_larger_than_a_ranks_share_is_a_user_error():
+    sampler = data.ResumableSampler(list(range(10)), num_replicas=4, rank=0)
+    with pytest.raises(UserError, match="lower --batch-size"):
+        data.steps_per_epoch(sampler, 8)

@@ -1,0 +1,142 @@
+"""python -m xscale.report: the readable summary of a job's output, its phase table and
+picture (xscale.picture)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from xscale import startup
+
+from tests.helpers import PYTHON_DIR
+from tests.test_startup import RANKS
+
+# ---------------------------------------------------------------------------------------------
+# report: the readable summary of a job's output
+# ---------------------------------------------------------------------------------------------
+
+
+def test_report_reads_a_run_that_resumed_and_took_no_step(tmp_path):
+    """A requeued job whose checkpoint was already at the last step logs no loss: the
+    summary's losses are null, and the report says so instead of crashing."""
+    record = {"trainer": "mnist_ddp", "world_size": 4, "nodes": 2, "start_step": 60,
+              "steps": 60, "samples_per_s": 0.0, "tokens_per_s": None, "loss_first": None,
+              "loss_last": None, "seconds": 3.5, "stopped_early": False, "accuracy": 0.97}
+    output = tmp_path / "job.out"
+    output.write_text("xscale: launcher=slurm site=generic nodes=2 master=nid001:29500\n"
+                      'XSCALE_RANK {"rank": 0, "node": "nid001"}\n'
+                      'XSCALE_RANK {"rank": 2, "node": "nid002"}\n'
+                      f"XSCALE_SUMMARY {json.dumps(record)}\n")
+    proc = subprocess.run([sys.executable, "-m", "xscale.report", str(output)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
+    assert proc.returncode == 0, proc.stderr
+    assert "none logged (0 steps taken, at step 60)" in proc.stdout
+    assert "4 ranks on 2 nodes (nid001, nid002)" in proc.stdout
+    assert "0 samples/s" in proc.stdout  # tokens_per_s null: the samples' rate instead
+
+
+def job_output(tmp_path: Path, ranks: list[startup.RankPhases]) -> Path:
+    summary = {"trainer": "mnist_ddp", "world_size": len(ranks), "nodes": 2, "start_step": 0,
+               "steps": 3, "samples_per_s": 10.0, "tokens_per_s": None, "loss_first": 2.3,
+               "loss_last": 2.1, "seconds": 9.5, "stopped_early": False}
+    lines = [f"XSCALE_RANK {json.dumps({'rank': r.rank, 'node': r.node, 'startup': r.phases})}"
+             for r in ranks]
+    output = tmp_path / "job.out"
+    output.write_text("\n".join([*lines, f"XSCALE_SUMMARY {json.dumps(summary)}"]) + "\n")
+    return output
+
+
+def report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "xscale.report", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
+
+
+def colour_rows(image, colour) -> set[int]:
+    """The pixel rows where `colour` appears (the legend's included)."""
+    width, height = image.size
+    pixels = image.load()
+    return {y for y in range(height) for x in range(width) if pixels[x, y] == colour}
+
+
+def test_report_prints_the_phase_table_and_draws_one_row_per_node(tmp_path):
+    from PIL import Image
+    from xscale import picture
+
+    proc = report(str(job_output(tmp_path, RANKS)), "--png")
+    assert proc.returncode == 0, proc.stderr
+    imports = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["imports"])
+    assert imports.split()[1:4] == ["2.600s", "6.100s", "2@nid002"]
+    image = Image.open(tmp_path / "job.out.startup.png")
+    assert image.format == "PNG" and image.size[0] == picture.WIDTH
+    height = picture.row_height(2)
+    bars = range(picture.HEADER, picture.HEADER + 2 * height)
+    for phase, colour in picture.COLOURS.items():
+        rows = colour_rows(image.convert("RGB"), colour) & set(bars)
+        # Every phase is drawn on both nodes' rows (run.sh's 10 ms is a pixel wide at least).
+        assert {(y - picture.HEADER) // height for y in rows} == {0, 1}, phase
+
+
+def test_a_phase_no_rank_recorded_is_left_out_of_the_picture(tmp_path):
+    from PIL import Image
+    from xscale import picture
+
+    unlaunched = [startup.RankPhases(r.rank, r.node, {**r.phases, "launch": None, "total": None})
+                  for r in RANKS]
+    proc = report(str(job_output(tmp_path, unlaunched)), "--png")
+    assert proc.returncode == 0, proc.stderr
+    assert "unknown" in next(line for line in proc.stdout.splitlines()
+                             if line.split()[:1] == ["launch"])
+    image = Image.open(tmp_path / "job.out.startup.png").convert("RGB")
+    bars = set(range(picture.HEADER, image.size[1] - picture.FOOTER))
+    assert not colour_rows(image, picture.COLOURS["launch"]) & bars
+    assert colour_rows(image, picture.COLOURS["imports"]) & bars
+
+
+@pytest.mark.parametrize("case", ["no file", "no phases"])
+def test_report_input_errors_are_one_line_and_status_2(tmp_path, case):
+    if case == "no file":
+        proc = report(str(tmp_path / "missing.out"))
+    else:  # an output from before the phases were recorded: fine as text, no picture
+        output = tmp_path / "old.out"
+        output.write_text('XSCALE_RANK {"rank": 0, "node": "nid001"}\nXSCALE_SUMMARY '
+                          '{"trainer": "t", "world_size": 1, "steps": 1, "loss_first": 1.0, '
+                          '"loss_last": 1.0, "seconds": 1.0, "samples_per_s": 1.0}\n')
+        assert report(str(output)).returncode == 0
+        proc = report(str(output), "--png")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("xscale.report: error:")
+
+
+def test_report_reads_the_summary_file_itself_or_through_the_line_that_names_it(tmp_path,
+                                                                                capsys):
+    """The line leaves the phases to OUTPUT_DIR/xscale-summary.json: with no XSCALE_RANK lines
+    the table comes from the file, whether the report is given the job output or the file; a
+    file a later run replaced (another `steps`) is not this run's, and is not read."""
+    from xscale import runlog
+
+    record = {"trainer": "mnist_ddp", "world_size": 4, "nodes": 2, "start_step": 0,
+              "steps": 3, "samples_per_s": 10.0, "tokens_per_s": None, "loss_first": 2.3,
+              "loss_last": 2.1, "seconds": 9.5, "stopped_early": False,
+              "startup": startup.aggregate(RANKS),
+              "summary_file": runlog.summary_path(tmp_path / "run")}
+    runlog.emit_summary(record)
+    output = tmp_path / "job.out"
+    output.write_text(capsys.readouterr().out)
+    assert '"startup"' not in output.read_text()
+    for given in (output, record["summary_file"]):
+        proc = report(str(given))
+        assert proc.returncode == 0, proc.stderr
+        imports = next(line for line in proc.stdout.splitlines()
+                       if line.split()[:1] == ["imports"])
+        assert imports.split()[1:4] == ["2.600s", "6.100s", "2@nid002"], proc.stdout
+        assert "4 ranks on 2 nodes" in proc.stdout
+    replaced = json.loads(record["summary_file"].read_text())
+    record["summary_file"].write_text(json.dumps({**replaced, "steps": 9}))
+    proc = report(str(output))
+    assert proc.returncode == 0 and "start-up" not in proc.stdout, proc.stdout
