@@ -97,6 +97,33 @@ def test_a_phase_no_rank_recorded_is_left_out_of_the_picture(tmp_path):
     assert colour_rows(image, picture.COLOURS["imports"]) & bars
 
 
+def ink_gaps(text: str) -> list[int]:
+    """Widths of the blank pixel columns between the inked ones of TEXT as the picture draws it."""
+    from PIL import Image, ImageDraw
+    from xscale import picture
+
+    font = picture.text_font()
+    width = round(ImageDraw.Draw(Image.new("L", (1, 1))).textlength(text, font=font)) + 8
+    image = Image.new("L", (width, 3 * picture.FONT_PIXELS), 0)
+    ImageDraw.Draw(image).text((4, 4), text, fill=255, font=font)
+    inked = [any(image.getpixel((x, y)) > 64 for y in range(image.size[1]))
+             for x in range(width)]
+    gaps, run = [], 0
+    for column in inked[inked.index(True):]:
+        if column and run:
+            gaps.append(run)
+        run = 0 if column else run + 1
+    return gaps
+
+
+@pytest.mark.parametrize("words", [("its", "slowest"), ("nodes:", "seconds")])
+def test_the_pictures_words_stay_apart(words):
+    """Its text is legible: a space is wider than any gap between two letters of a word (at
+    Pillow's default 10 pixels it was not, and the title read "itsslowest")."""
+    within = max(max(ink_gaps(word), default=0) for word in words)
+    assert max(ink_gaps(" ".join(words))) > within + 1
+
+
 @pytest.mark.parametrize("case", ["no file", "no phases"])
 def test_report_input_errors_are_one_line_and_status_2(tmp_path, case):
     if case == "no file":

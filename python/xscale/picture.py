@@ -31,6 +31,10 @@ LARGEST_PICTURE_ROWS = 4000  # pixels of rows at most: 8,192 nodes get one pixel
 FONT_PIXELS = 13
 
 
+def text_font() -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    return ImageFont.load_default(size=FONT_PIXELS)
+
+
 def row_height(nodes: int) -> int:
     """22 pixels, with the node's name, for up to a few dozen nodes; thinner rows beyond, down to
     one pixel, so that thousands of nodes still make one picture."""
@@ -51,7 +55,7 @@ def draw_startup(records: list[RankPhases]) -> Image.Image:
     scale = (WIDTH - LABELS - RIGHT) / longest  # pixels per second
     image = Image.new("RGB", (WIDTH, HEADER + height * len(rows) + FOOTER), BACKGROUND)
     draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default(size=FONT_PIXELS)
+    font = text_font()
     _header(draw, font, records, len(rows))
     _axis(draw, font, longest, scale, HEADER + height * len(rows))
     for index, row in enumerate(rows):
