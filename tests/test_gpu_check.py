@@ -19,6 +19,7 @@ from tests.gpu import figures
 from tests.gpu.gpu_check import (
     LAUNCHER_VARIABLES,
     Launch,
+    Outcome,
     Runner,
     child_env,
     judge_doctor,
@@ -78,12 +79,19 @@ def test_a_failed_exit_fails_even_with_a_good_summary(cpu_run):
     assert check.status == FAIL and check.reason == "exit status 134"
 
 
-def test_a_run_without_a_summary_fails_with_its_last_line():
-    output = "loading...\nmnist_ddp.py: error: a GPU was asked for (--gpu) but torch sees none\n"
-    check = judge_training("mnist_ddp 1 GPU", output, 2, Expected("cuda", "nccl", 1))
+def test_a_run_without_a_summary_fails_with_its_error_line_else_its_last_line():
+    # Under torchrun the rank's one-line error comes before torchrun's own report of the failure.
+    output = ("loading...\nmnist_ddp.py: error: a GPU was asked for (--gpu) but torch sees none\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+              "============================================================\n")
+    check = judge_training("mnist_ddp 2 GPUs", output, 1, Expected("cuda", "nccl", 2))
     assert check.status == FAIL
-    assert check.reason == ("exit status 2, no XSCALE_SUMMARY; last line: mnist_ddp.py: error: "
-                            "a GPU was asked for (--gpu) but torch sees none")
+    assert check.reason == ("exit status 1, no XSCALE_SUMMARY; mnist_ddp.py: error: a GPU was "
+                            "asked for (--gpu) but torch sees none")
+    check = judge_training("mnist_ddp 1 GPU", "Segmentation fault\n", 139,
+                           Expected("cuda", "nccl", 1))
+    assert check.reason == "exit status 139, no XSCALE_SUMMARY; last line: Segmentation fault"
+    assert judge_training("x", "", 137, Expected("cuda", "nccl", 1)).reason.endswith("no output")
 
 
 def test_a_loss_that_did_not_fall_or_was_never_logged_fails(cpu_run):
@@ -246,17 +254,23 @@ def test_the_doctors_verdict_passes_and_its_failure_names_the_check(tmp_path: Pa
         "exit status 2, no verdict written"
 
 
-def test_the_profile_needs_a_non_empty_trace_of_rank_0(tmp_path: Path):
+def test_the_profile_needs_a_finished_run_and_a_non_empty_trace_of_rank_0(tmp_path: Path,
+                                                                           cpu_run):
+    finished = Outcome(0, cpu_run.stdout)
     (tmp_path / "rank0").mkdir()
     (tmp_path / "rank1.svg").write_text("<svg/>")
-    assert judge_trace("profile", 0, tmp_path, "py-spy").status == FAIL  # rank 1's only
+    assert judge_trace("profile", finished, tmp_path, "py-spy").status == FAIL  # rank 1's only
     (tmp_path / "rank0" / "results.csv").write_text("")
-    assert judge_trace("profile", 0, tmp_path, "rocprof").status == FAIL  # empty
+    assert judge_trace("profile", finished, tmp_path, "rocprof").status == FAIL  # empty
     (tmp_path / "rank0" / "vm_1.pt.trace.json").write_text('{"traceEvents": []}')
-    check = judge_trace("profile", 0, tmp_path, "torch.profiler")
+    check = judge_trace("profile", finished, tmp_path, "torch.profiler")
     assert check.status == PASS and check.figures["bytes"] == 19
-    assert judge_trace("profile", 1, tmp_path, "rocprof").reason == \
-        "exit status 1 under rocprof"
+    # py-spy exits 0 when the program it records failed: no summary, no pass.
+    crashed = Outcome(0, "mnist_ddp.py: error: a GPU was asked for\npy-spy> Wrote flamegraph\n")
+    check = judge_trace("profile", crashed, tmp_path, "py-spy")
+    assert check.status == FAIL and check.reason == (
+        "exit status 0 under py-spy, no XSCALE_SUMMARY; mnist_ddp.py: error: a GPU was asked for")
+    assert judge_trace("profile", Outcome(1, cpu_run.stdout), tmp_path, "rocprof").status == FAIL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +294,14 @@ def test_an_outer_launchers_variables_do_not_reach_the_runs(monkeypatch):
     env = child_env({"PROFILE_RANKS": "0"})
     assert not set(LAUNCHER_VARIABLES) & set(env)
     assert env["SIF"] == "image.sif" and env["PROFILE_RANKS"] == "0"
+
+
+def test_the_runs_python3_is_the_checks_own(monkeypatch):
+    """The doctor's torch child is `python3` from PATH: the interpreter (and torch) of the check."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    proc = subprocess.run(["python3", "-c", "import sys; print(sys.prefix)"], env=child_env(),
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.strip() == sys.prefix
 
 
 def test_a_run_is_ended_once_it_printed_enough(tmp_path: Path):

@@ -50,6 +50,7 @@ from tests.gpu.verdict import (  # noqa: E402
     judge_training,
     render_table,
     summary_of,
+    telling_line,
     write_result,
 )
 
@@ -142,6 +143,10 @@ class Launch:
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env["PYTHONUNBUFFERED"] = "1"  # main.py's lines arrive as it prints them
+    # This interpreter's directory first (the venv's under make): the doctor starts `python3`
+    # from PATH for its torch child, and it must be the torch the trainers run on.
+    env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent),
+                                                env.get("PATH", "")]))
     env.update(extra or {})
     return env
 
@@ -365,17 +370,19 @@ def check_profile(ctx: Context) -> Check:
                                  child_env({**window, "XSCALE_TORCH_PROFILER": "1"}))
     if failed := failed_run(name, outcome, ctx.runner.timeout_s):
         return failed
-    return judge_trace(name, outcome.exit_code, trace_dir, profiler)
+    return judge_trace(name, outcome, trace_dir, profiler)
 
 
-def judge_trace(name: str, exit_code: int, trace_dir: Path, profiler: str) -> Check:
-    """Rank 0's trace: a non-empty file named rank0* or inside rank0/ (rocprof's CSVs, nsys'
-    .nsys-rep, py-spy's .svg, torch.profiler's .pt.trace.json)."""
+def judge_trace(name: str, outcome: Outcome, trace_dir: Path, profiler: str) -> Check:
+    """A finished training (its summary: a profiler such as py-spy exits 0 whatever the program
+    did) and rank 0's trace: a non-empty file named rank0* or inside rank0/ (rocprof's CSVs,
+    nsys' .nsys-rep, py-spy's .svg, torch.profiler's .pt.trace.json)."""
     found = [path for path in trace_dir.glob("rank0*") if path.is_file()]
     found += [path for path in trace_dir.glob("rank0/**/*") if path.is_file()]
     found = [path for path in found if path.stat().st_size > 0]
-    if exit_code != 0:
-        return Check(name, FAIL, f"exit status {exit_code} under {profiler}")
+    if outcome.exit_code != 0 or summary_of(outcome.output) is None:
+        return Check(name, FAIL, f"exit status {outcome.exit_code} under {profiler}, no "
+                                 f"XSCALE_SUMMARY; {telling_line(outcome.output)}")
     if not found:
         return Check(name, FAIL, f"no non-empty trace of rank 0 in {trace_dir} ({profiler})")
     largest = max(found, key=lambda path: path.stat().st_size)

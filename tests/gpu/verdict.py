@@ -65,8 +65,8 @@ def judge_training(name: str, output: str, exit_code: int, expected: Expected) -
     every rank and a falling loss."""
     summary = summary_of(output)
     if summary is None:
-        return Check(name, FAIL, f"exit status {exit_code}, no XSCALE_SUMMARY; "
-                                 f"last line: {last_line(output)}")
+        return Check(name, FAIL,
+                     f"exit status {exit_code}, no XSCALE_SUMMARY; {telling_line(output)}")
     wrong = mismatches(summary, expected)
     if exit_code != 0:
         wrong.insert(0, f"exit status {exit_code}")
@@ -76,9 +76,14 @@ def judge_training(name: str, output: str, exit_code: int, expected: Expected) -
     return Check(name, FAIL if wrong else PASS, "; ".join(wrong), figures)
 
 
-def last_line(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.strip()]
-    return lines[-1][:200] if lines else "(no output)"
+def telling_line(output: str) -> str:
+    """The run's first `PROG: error: ...` line (every xscale program's one-line errors), else its
+    last line: under torchrun that would be its closing banner, not the rank's reason."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if ": error: " in line]
+    if errors:
+        return errors[0][:300]
+    return f"last line: {lines[-1][:200]}" if lines else "no output"
 
 
 def figure_text(value: Any) -> str:
