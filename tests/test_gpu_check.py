@@ -237,9 +237,9 @@ def test_the_ratio_is_of_the_medians():
 def run_doctor(tmp_path: Path, *options: str) -> tuple[int, Path]:
     verdict = tmp_path / "verdict.json"
     proc = subprocess.run([str(REPO / "runscripts" / "doctor"), "--json", str(verdict),
-                           "--checks", "layout,storage", *options], cwd=tmp_path,
-                          env=child_env(), capture_output=True, text=True, timeout=120,
-                          check=False)
+                           "--checks", "layout,storage,bandwidth", "--quick", *options],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                          timeout=120, check=False)
     return proc.returncode, verdict
 
 
@@ -247,6 +247,7 @@ def test_the_doctors_verdict_passes_and_its_failure_names_the_check(tmp_path: Pa
     code, verdict = run_doctor(tmp_path)
     check = judge_doctor("doctor 1 GPU", code, verdict, tmp_path / "verdict.ranks/rank-0.json")
     assert check.status == PASS, check
+    assert not any(name.startswith("busbw") for name in check.figures)  # one rank: no all-reduce
     code, verdict = run_doctor(tmp_path, "--min-free-gb", "1e9")
     check = judge_doctor("doctor 1 GPU", code, verdict, tmp_path / "verdict.ranks/rank-0.json")
     assert check.status == FAIL and " storage: /tmp has " in check.reason, check

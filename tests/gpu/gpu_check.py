@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,6 +213,12 @@ class Runner:
                 pass
 
 
+def fresh_dir(path: Path) -> None:
+    """PATH, empty: a directory of this check's own output (under --out)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
 def failed_run(name: str, outcome: Outcome, timeout_s: float) -> Check | None:
     """A run that timed out is a failure with that reason (its summary, if any, is not judged)."""
     if outcome.timed_out:
@@ -329,7 +336,7 @@ def check_doctor(ctx: Context, launch: Launch) -> Check:
     """The doctor's verdict (its exit status and JSON), with the all-reduce's bus bandwidth."""
     name = f"doctor {launch.label}"
     verdict = ctx.out / f"doctor-{launch.ranks}" / "verdict.json"
-    verdict.parent.mkdir(parents=True, exist_ok=True)
+    fresh_dir(verdict.parent)  # an earlier check's verdict must not pass for this one's
     outcome = ctx.runner.run(name.replace(" ", "-"), launch.command(
         DOCTOR, "--json", str(verdict), "--timeout", "300"), child_env())
     return failed_run(name, outcome, ctx.runner.timeout_s) or judge_doctor(
@@ -346,7 +353,8 @@ def judge_doctor(name: str, exit_code: int, verdict_path: Path, rank0_path: Path
                  if r["status"] == "fail"]
     facts = json.loads(rank0_path.read_text()).get("facts", {}) if rank0_path.is_file() else {}
     figures_ = {"gpus_seen": facts.get("torch_gpus"), "backend": facts.get("backend")}
-    for sweep in facts.get("bandwidth") or []:
+    alone = verdict.get("world_size") == 1  # one rank's all-reduce moves nothing: no figure
+    for sweep in [] if alone else facts.get("bandwidth") or []:
         figures_[f"busbw_{sweep['bytes'] >> 20}MiB_GBps"] = sweep["busbw_gbps"]
     if exit_code != 0 or problems:
         return Check(name, FAIL, "; ".join(problems) or f"exit status {exit_code}", figures_)
@@ -358,6 +366,7 @@ def check_profile(ctx: Context) -> Check:
     not installed here (run-profile.sh says so in one line and exits 2 before anything runs)."""
     name = "profile rank 0"
     trace_dir = ctx.out / "profile"
+    fresh_dir(trace_dir)  # an earlier check's trace must not pass for this one's
     window = {"PROFILE_RANKS": "0", "PROFILE_DIR": str(trace_dir), "PROFILE_STEP_START": "5",
               "PROFILE_STEPS": "10"}
     trainer = [sys.executable, "-u", str(REPO / "python/mnist_ddp.py"),
