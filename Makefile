@@ -13,12 +13,15 @@ SHELL_SOURCES = $(shell git ls-files 'runscripts/*' 'jobs/*' 'containers/*' 'tes
 PYTHON_SCRIPTS = $(shell git ls-files 'runscripts/*' 'jobs/*' 'tests/*' | grep -v '\.' | \
                   while read -r f; do head -c 100 "$$f" | grep -qE '^\#!.*python' && echo "$$f"; done)
 
-.PHONY: help setup system-packages venv test lint unit demo bench sif cluster-up cluster-down clean
+.PHONY: help setup system-packages venv test lint unit demo bench gpu-check sif cluster-up \
+        cluster-down clean
 
 help:
 	@echo "make demo          set up, start the virtual cluster, train MNIST on 2 nodes x 2 ranks"
 	@echo "make test          set up, lint, unit tests, end-to-end tests on the virtual cluster"
 	@echo "make bench         run.sh and get-master overheads, trainer throughput on CPU"
+	@echo "make gpu-check     prove this node's GPUs: every trainer, the doctor, a profile,"
+	@echo "                   throughput and MFU (one line and exit 0 without a GPU)"
 	@echo "make sif           build the container image (needs singularity or apptainer)"
 	@echo "make setup | lint | unit | cluster-up | cluster-down | clean"
 
@@ -60,6 +63,13 @@ demo: setup cluster-up
 
 bench: setup cluster-up
 	@bash tests/bench/run-all.sh
+
+# Not part of `test` (CI has no GPU): every GPU path on this node's GPUs, one table at the end,
+# the same as JSON in build/gpu-check/ (docs/GPU-CHECK.md). Without a GPU: one line, exit 0.
+# GPU_CHECK_ARGS adds options, e.g. "--examples ~/src/pytorch-examples" (tests/gpu/gpu_check.py
+# --help).
+gpu-check: setup
+	@$(PY) tests/gpu/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Not part of setup: image builds need Singularity/Apptainer (a LUMI login node); build.sh says so
 # in one line when neither is there.

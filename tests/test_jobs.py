@@ -54,6 +54,11 @@ def ids(path: Path) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
+# Checks that report and end, with no training to stop at a time limit and requeue: the smoke
+# test, and the GPU acceptance test (one task that starts its ranks with torchrun).
+ONE_SHOT = {"smoke.sbatch", "gpu-check.sbatch"}
+
+
 # ---------------------------------------------------------------------------------------------
 # What every template must look like (static)
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +68,7 @@ def test_there_are_the_lumi_templates_the_scenarios_need():
     assert {p.name for p in LUMI} >= {
         "smoke.sbatch", "mnist.sbatch", "gpt-neo-1node.sbatch", "gpt-neo.sbatch",
         "gpt-neo-profile.sbatch", "imagenet.sbatch", "imagenet-deepspeed.sbatch",
-        "imagenet-prestage.sbatch", "imagenet-miopen-cache.sbatch",
+        "imagenet-prestage.sbatch", "imagenet-miopen-cache.sbatch", "gpu-check.sbatch",
     }
     assert AURORA
 
@@ -102,7 +107,7 @@ def test_lumi_template_asks_for_lumi_g(path: Path):
     assert sbatch_option(text, "gpus-per-node") == "8"
     assert sbatch_option(text, "ntasks-per-node") == "8"
     assert sbatch_option(text, "account") is not None
-    if path.name != "smoke.sbatch":  # a one-minute check has no time limit to outlive
+    if path.name not in ONE_SHOT:  # a check has no time limit to outlive
         assert re.fullmatch(r"B:USR1@\d+", sbatch_option(text, "signal") or "")
         assert sbatch_option(text, "requeue") == ""
         assert sbatch_option(text, "open-mode") == "append"
@@ -229,9 +234,10 @@ def test_lumi_training_step_gets_masks_binds_and_run_sh(path: Path, tmp_path: Pa
         if sbatch_option(path.read_text(), "nodes") != "1":
             assert LUMI_HOST_STACK <= binds
         # Each rank on its GCD's CCD: the masks cpu-masks prints for LUMI (the smoke test's first
-        # step runs one task per node, unmasked).
+        # step runs one task per node, unmasked; the GPU check is one task with the node's cores).
         if f"--cpu-bind=mask_cpu:{lumi_masks}" not in argv:
-            assert path.name == "smoke.sbatch" and "--ntasks-per-node=1" in argv, argv
+            assert path.name in ONE_SHOT, argv
+            assert {"--ntasks-per-node=1", "--ntasks=1"} & set(argv), argv
     assert "bash" not in {a for c in calls for a in c["argv"]}  # no per-rank `bash -c` strings
 
 
@@ -274,7 +280,7 @@ def test_lumi_data_the_container_cannot_see_stops_before_srun(path: Path, tmp_pa
     assert srun_calls(tmp_path) == []
 
 
-@pytest.mark.parametrize("path", [p for p in LUMI if p.name != "smoke.sbatch"], ids=ids)
+@pytest.mark.parametrize("path", [p for p in LUMI if p.name not in ONE_SHOT], ids=ids)
 def test_lumi_template_stops_and_requeues_at_the_time_limit(path: Path, tmp_path: Path):
     """Slurm's USR1 warning to the batch shell reaches the training step, and after the step's
     clean stop the job requeues itself (jobs/lib/time-limit.sh; for real: test_failures.py)."""
@@ -289,6 +295,30 @@ def test_lumi_template_stops_and_requeues_at_the_time_limit(path: Path, tmp_path
     assert code == 0, err
     assert (tmp_path / "log" / "step-signals").read_text().split() == ["USR1"]
     assert (tmp_path / "log" / "scontrol").read_text().split() == ["requeue", "77"]
+
+
+def test_lumi_gpu_check_is_one_task_in_the_image_that_writes_into_the_checkout(tmp_path: Path):
+    """The GPU acceptance test: one task with all the node's cores (it starts its own ranks),
+    run.sh's environment, its results under build/gpu-check/JOBID; a pytorch/examples checkout
+    the image cannot see stops it before srun, as data does."""
+    examples = tmp_path / "examples"
+    (examples / "imagenet").mkdir(parents=True)
+    code, err = finish(run_template(lumi("gpu-check.sbatch"), tmp_path,
+                                    XSCALE_EXAMPLES_DIR=str(examples), **template_inputs(tmp_path)))
+    assert code == 0, err
+    [step] = srun_calls(tmp_path)
+    argv = step["argv"]
+    assert {"--ntasks=1", "--cpus-per-task=56", "--kill-on-bad-exit=1"} <= set(argv), argv
+    at = argv.index("/runscripts/run.sh")
+    assert argv[at + 1:] == ["python", f"{REPO}/tests/gpu/gpu_check.py",
+                             "--out", f"{REPO}/build/gpu-check/77"]
+    again = tmp_path / "again"
+    again.mkdir()
+    code, err = finish(run_template(lumi("gpu-check.sbatch"), again,
+                                    XSCALE_EXAMPLES_DIR=str(tmp_path / "nowhere"),
+                                    **template_inputs(again)))
+    assert code == 2 and "XSCALE_EXAMPLES_DIR=" in err and len(err.strip().splitlines()) == 1, err
+    assert srun_calls(again) == []
 
 
 PRESTAGE = lumi("imagenet-prestage.sbatch")

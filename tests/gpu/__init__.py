@@ -1,0 +1,1 @@
+"""`make gpu-check`: proves a GPU node with xscale's own trainers (docs/GPU-CHECK.md)."""
