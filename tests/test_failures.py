@@ -382,7 +382,7 @@ def through_the_retry(cluster, job_id: str, since: float) -> tuple[str, float, s
 def check_resumed_without(text: str, bad: str) -> dict:
     """The second run trained on other nodes, from the first run's checkpoint, to the end."""
     second_run = text.rpartition("xscale: retry 1 of")[2]
-    second = tagged_records(second_run, "XSCALE_SUMMARY")[-1]
+    second = summary_of(second_run)  # the whole record: the start-up detail is in its file
     assert second["start_step"] >= RETRY_EVERY and second["steps"] == RETRY_STEPS, second
     nodes = {record["node"] for record in rank_records(second_run)}
     assert len(nodes) == 2 and bad not in nodes, second_run[-3000:]
