@@ -178,7 +178,7 @@ def choose_device(local_rank: int, gpu: int | None = None, require_gpu: bool = F
     if accel.type is None:
         if require_gpu or gpu is not None:
             raise UserError(f"a GPU was asked for (--gpu) but torch {torch.__version__} sees "
-                            f"none: {_no_gpu_reason(accel)}")
+                            f"none: {no_gpu_reason(accel)}")
         return torch.device("cpu")
     index = local_rank if gpu is None else gpu
     if accel.count == 1:
@@ -195,7 +195,7 @@ VISIBILITY_VARIABLES = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VIS
                         "ZE_AFFINITY_MASK")
 
 
-def _no_gpu_reason(accel: Accelerator) -> str:
+def no_gpu_reason(accel: Accelerator) -> str:
     cuda = "no CUDA or ROCm device is visible" if torch.cuda._is_compiled() \
         else "it is built without CUDA or ROCm"
     xpu = "no XPU is visible" if accel.xpu_compiled \

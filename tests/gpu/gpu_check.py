@@ -105,7 +105,7 @@ def detect() -> Node | str:
     accel = dist.probe_accelerator()
     if accel.type is None:  # the reason is the one a trainer asked for --gpu would give
         return (f"torch {torch.__version__} sees no CUDA, ROCm or XPU device: "
-                f"{dist._no_gpu_reason(accel)}")
+                f"{dist.no_gpu_reason(accel)}")
     device = dist.choose_device(0, accel=accel)
     backend = dist.choose_backend(None, device, accel)
     if torch.version.hip:
