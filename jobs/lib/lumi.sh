@@ -8,16 +8,13 @@
 #   xs_lumi_train python -u "$XSCALE_ROOT/python/mnist_ddp.py" "${TRAIN_ARGS[@]}" "$@"
 [[ -z ${XS_LUMI_PRELUDE:-} ]] || return 0  # a template that builds on another sources it twice
 XS_LUMI_PRELUDE=1
-# The checkout, bound at its own path: the doctor's torch child imports the trainers' device and
-# backend choice from $XSCALE_ROOT/python in any image (runscripts/lib/doctor_torch.py).
+# The checkout, bound at its own path: the doctor imports $XSCALE_ROOT/python in any image.
 export XSCALE_ROOT
 
 # ---- the image (required) ---------------------------------------------------------------------
-# A LUMI container module exports SIF (module load LUMI PyTorch/...), or give a path, e.g. one of
-# LUMI's shared images such as
-#   /appl/local/containers/sif-images/lumi-pytorch-rocm-6.2.4-python-3.12-pytorch-v2.7.1.sif
-# (the one LUMI's AI workshop uses). Those are replaced or removed when LUMI retires them (LUMI
-# Software Library, PyTorch), so no default points at one.
+# A LUMI container module exports SIF (module load LUMI PyTorch/...), or give a path, e.g. the AI
+# workshop's /appl/local/containers/sif-images/lumi-pytorch-rocm-6.2.4-python-3.12-pytorch-v2.7.1.sif
+# LUMI retires its shared images (LUMI Software Library, PyTorch), so no default points at one.
 : "${SIF:=}"
 : "${RUNSCRIPT:=run.sh}"  # the per-rank entrypoint; run-profile.sh profiles PROFILE_RANKS only
 
