@@ -38,7 +38,7 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerBase,
     TrainingArguments,
 )
-from xscale import hf, lifecycle, runtime, stragglers  # noqa: E402
+from xscale import checkpoint, hf, lifecycle, runtime, stragglers  # noqa: E402
 from xscale.dist import read_placement, timeout_from_env  # noqa: E402
 from xscale.lifecycle import UserError  # noqa: E402
 
@@ -96,8 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=2e-5,
                         help="AdamW learning rate (default %(default)s)")
-    parser.add_argument("--save-steps", type=int, default=100,
-                        help="checkpoint every N steps, keeping the last 4 (default %(default)s)")
+    parser.add_argument("--save-steps", type=checkpoint.every_argument, default=100,
+                        metavar="N|auto",
+                        help="checkpoint every N steps, keeping the last 4; auto: Young's "
+                             "interval from the first save's cost and the job's size "
+                             "(docs/CHECKPOINTS.md) (default %(default)s)")
     parser.add_argument("--eval-steps", type=int, default=200,
                         help="validation loss every N steps (default %(default)s)")
     parser.add_argument("--logging-steps", type=int, default=50,
@@ -109,12 +112,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("num_workers", "batch_size", "eval_batch_size", "max_steps", "max_length",
-                 "save_steps", "eval_steps", "logging_steps", "sample_reviews",
+                 "eval_steps", "logging_steps", "sample_reviews",
                  "gradient_accumulation_steps"):
         value = getattr(args, name)
         if value < 0 or (value == 0 and name not in ("num_workers", "sample_reviews")):
             parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if value < 0 else '> 0'}, "
                          f"not {value}")
+    if args.save_steps == 0:
+        parser.error("--save-steps must be > 0 or auto, not 0")
     return args
 
 
@@ -206,7 +211,8 @@ def training_arguments(args: argparse.Namespace, output_dir: str, world_size: in
         learning_rate=args.learning_rate,
         weight_decay=0.01,
         save_strategy="steps",
-        save_steps=args.save_steps,
+        # auto: none but the last until the first timed save sets the cadence (hf.AutoSaveSteps)
+        save_steps=args.max_steps if args.save_steps == "auto" else args.save_steps,
         save_total_limit=4,
         eval_strategy="steps",
         eval_steps=args.eval_steps,
@@ -246,6 +252,7 @@ def train(args: argparse.Namespace) -> int:
     lifecycle.install_stop_handlers()
     lifecycle.shield_resource_tracker()  # before anything starts it unshielded
     placement = read_placement()  # the launcher's variables, checked
+    node_mtbf_h = checkpoint.node_mtbf_hours()  # for --save-steps auto; checked before the model
     device, backend = hf.device_and_backend(placement)
     if placement.rank != 0:  # one set of progress bars per job, not one per rank
         datasets.disable_progress_bars()
@@ -272,13 +279,16 @@ def train(args: argparse.Namespace) -> int:
               f"{len(train_set):,} training sequences of up to {args.max_length} tokens",
               flush=True)
 
-    checkpoint = hf.newest_checkpoint(output_dir) if args.resume is not False else None
-    if ctx.is_main and args.resume and checkpoint is None:
+    resume_from = hf.newest_checkpoint(output_dir) if args.resume is not False else None
+    if ctx.is_main and args.resume and resume_from is None:
         print(f"No checkpoint in {output_dir} yet: starting from {model_path}", flush=True)
 
     # Every rank's own work per step, compared on rank 0 at each stop vote (xscale.stragglers).
     watch = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size)
-    record, stop = hf.RunRecord(ctx.device, ctx.is_main), hf.StopOnSignal(watch=watch)
+    record = hf.RunRecord(ctx.device, ctx.is_main)
+    auto = (hf.AutoSaveSteps(record, ctx.is_main, ctx.nnodes, node_mtbf_h)
+            if args.save_steps == "auto" else None)
+    stop = hf.StopOnSignal(watch=watch, auto=auto)
     trainer = hf.XscaleTrainer(
         model=model,
         args=training_args,
@@ -288,7 +298,7 @@ def train(args: argparse.Namespace) -> int:
         eval_dataset=validation_set,
         callbacks=[record, stop, profile, hf.tensorboard(logging_dir)],
     )
-    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.train(resume_from_checkpoint=resume_from)
     saved = hf.checkpoint_written(output_dir, record)
 
     results: dict[str, float] = {}

@@ -4,6 +4,7 @@ nodes."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ SEED_ARGS = ["--model-name", "gpt-imdb-model", "--output-path", "/workdir/train-
              "--logging-path", "/workdir/train-logging", "--num-workers", "7"]
 # Small enough for 4 ranks on 2 cores, large enough that the loss falls clearly in 30 steps.
 TINY_ARGS = ["--num-workers", "0", "--batch-size", "8", "--max-length", "64",
-             "--learning-rate", "1e-3", "--logging-steps", "5", "--save-steps", "10",
+             "--learning-rate", "1e-3", "--logging-steps", "5", "--save-steps", "auto",
              "--eval-steps", "1000", "--eval-batch-size", "32", "--sample-reviews", "0"]
 
 
@@ -106,7 +107,9 @@ def test_four_ranks_on_two_nodes_stop_on_usr1_to_the_step_and_resume(cluster, ti
     """The LUMI templates' path: 2 DataLoader workers per rank (spawned, as on GPUs) and USR1
     to every process of the step (`scancel --signal=USR1 JOB.0`, what `--signal=B:USR1@300`
     and the template's forwarding do): all ranks stop at one step, Trainer saves it, exit 0,
-    no worker or resource tracker dies of the signal; the next run resumes there."""
+    no worker or resource tracker dies of the signal; the next run resumes there. With
+    --save-steps auto, the first save comes at the first vote (step 10) and the interval at the
+    next, for 2 nodes."""
     model, data = tiny
     out, logs = tmp_path / "out", tmp_path / "logs"
 
@@ -143,6 +146,10 @@ def test_four_ranks_on_two_nodes_stop_on_usr1_to_the_step_and_resume(cluster, ti
     assert len({r["param_digest"] for r in ranks}) == 1, ranks  # DDP kept the replicas equal
     assert list((logs / "tiny").glob("events.out.tfevents.*")), "no TensorBoard events"
     assert first.stdout.count("XSCALE_SUMMARY") == 1
+    auto = re.findall(r"xscale: --save-steps auto: every (\d+) steps .* a save stops training "
+                      r"([\d.]+) s .* on 2 node\(s\)", first.stdout)
+    assert len(auto) == 1 and int(auto[0][0]) >= 1, first.stdout[-3000:]
+    assert run1["checkpoints_saved"] >= 2 and run1["checkpoint_stall_s"] > 0, run1
 
     # Same command with more steps: picks up the stop's checkpoint by itself (a requeued job).
     # Without workers: each spawned one imports transformers again, and their part is done.
@@ -176,7 +183,7 @@ def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_en
     from xscale import hf
 
     votes = []
-    monkeypatch.setattr(hf.runtime, "vote_to_stop", lambda **_: votes.append(1) or True)
+    monkeypatch.setattr(hf.runtime, "vote", lambda **_: (votes.append(1) or True, {}))
     callback = hf.StopOnSignal(every=5)
     control = callback.on_step_end(None, TrainerState(global_step=7, max_steps=100),
                                    TrainerControl())
@@ -187,9 +194,48 @@ def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_en
     assert callback.stopped_at == 10
     # No signal anywhere: the last step is saved (the runtime's cadence), training goes on to
     # its natural end.
-    monkeypatch.setattr(hf.runtime, "vote_to_stop", lambda **_: False)
+    monkeypatch.setattr(hf.runtime, "vote", lambda **_: (False, {}))
     callback = hf.StopOnSignal(every=5)
     control = callback.on_step_end(None, TrainerState(global_step=100, max_steps=100),
                                    TrainerControl())
     assert control.should_save and not control.should_training_stop
     assert callback.stopped_at is None
+
+
+def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_every_rank(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    """Steps 1..30 of a run at 0.25 s a step, votes every 10: the first vote after a timed step
+    asks Trainer for a save; once RunRecord has timed it, the next vote carries rank 0's Young
+    interval to every rank, which sets Trainer's save_steps there."""
+    import torch
+    from transformers import TrainerControl, TrainerState
+    from xscale import hf
+
+    now = [0.0]
+    monkeypatch.setattr(hf.time, "perf_counter", lambda: now[0])
+    proposals = []
+
+    def vote(watch=None, **proposal):  # the all-reduce's sum: rank 0's 1200, the others' 0
+        proposals.append(proposal)
+        return False, {"every": 1200.0} if "every" in proposal else {}
+
+    monkeypatch.setattr(hf.runtime, "vote", vote)
+    for is_main in (True, False):
+        proposals.clear()
+        record = hf.RunRecord(torch.device("cpu"), is_main=False)
+        auto = hf.AutoSaveSteps(record, is_main=is_main, nodes=4, node_mtbf_h=100.0)
+        callback = hf.StopOnSignal(every=10, auto=auto)
+        state, asked = TrainerState(max_steps=30, save_steps=30), []
+        for step in range(1, 31):
+            state.global_step, now[0] = step, step * 0.25
+            if callback.on_step_end(None, state, TrainerControl()).should_save:
+                asked.append(step)
+                record.saves, record.last_stall_s = record.saves + 1, 0.5  # Trainer's save
+        assert asked == [10, 30]  # the timed save, and the last step's
+        # Young: sqrt(2 x 0.5 s x 100 h / 4 nodes) = 300 s, at 0.25 s a step 1200 steps.
+        assert proposals == [{}, {"every": 1200.0 if is_main else 0.0}, {}], proposals
+        assert state.save_steps == auto.every == 1200  # what the vote handed back
+    lines = [line for line in capsys.readouterr().out.splitlines() if "auto" in line]
+    assert lines == ["xscale: --save-steps auto: every 1200 steps (300.0 s): a save stops "
+                     "training 0.500 s and writes for 0.000 s, a step takes 0.250 s, a failure "
+                     "comes every 25 h on 4 node(s) (100 h per node)"]

@@ -85,6 +85,18 @@ def auto_interval(stall_s: float, write_s: float, step_s: float, nodes: int,
     return max(1, math.ceil(seconds / step_s)), seconds, job_mtbf_s
 
 
+def auto_decision(option: str, stall_s: float, write_s: float, step_s: float, nodes: int,
+                  node_mtbf_h: float) -> tuple[int, str]:
+    """(steps between saves, the line rank 0 prints once) for OPTION auto: auto_interval and
+    its inputs, in the same words for every trainer."""
+    every, seconds, job_mtbf_s = auto_interval(stall_s, write_s, step_s, nodes, node_mtbf_h)
+    return every, (
+        f"xscale: {option} auto: every {every} steps ({seconds:.1f} s): a save stops training "
+        f"{stall_s:.3f} s and writes for {write_s:.3f} s, a step takes {step_s:.3f} s, a failure "
+        f"comes every {job_mtbf_s / 3600:,.0f} h on {nodes} node(s) ({node_mtbf_h:,.0f} h per "
+        f"node)")
+
+
 def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
     return Path(output_dir) / f"ckpt-{step:06d}.pt"
 

@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import flight, lifecycle, profiling, progress, runtime, startup, stragglers
+from xscale import checkpoint, flight, lifecycle, profiling, progress, runtime, startup, stragglers
 from xscale.dist import (
     DistContext,
     Placement,
@@ -75,18 +75,63 @@ def shield_workers(loader: DataLoader) -> DataLoader:
     return loader
 
 
+class AutoSaveSteps:
+    """--save-steps auto: Trainer's checkpoint cadence from Young's interval, as the runtime's
+    --checkpoint-every auto (xscale.checkpoint.auto_decision). Trainer saves after the step's
+    callbacks, so the first stop vote after a timed step asks for a save, and the next vote,
+    once RunRecord has timed that save, hands rank 0's interval to every rank in its
+    all-reduce."""
+
+    def __init__(self, record: RunRecord, is_main: bool, nodes: int, node_mtbf_h: float) -> None:
+        self.record = record
+        self.is_main, self.nodes, self.node_mtbf_h = is_main, nodes, node_mtbf_h
+        self._first_end: tuple[int, float] | None = None  # this call's first step: warm-up
+        self._saves_before: int | None = None  # RunRecord's count when the save was asked for
+        self.step_s = 0.0
+        self.every: int | None = None  # the decision, on every rank
+
+    def at_vote(self, state: TrainerState, control: TrainerControl) -> dict[str, float]:
+        """What this rank adds to the vote: rank 0's interval once its save was timed."""
+        if self.every is not None or self._first_end is None:
+            return {}
+        first_step, first_end = self._first_end
+        if self._saves_before is None and state.global_step > first_step:
+            self.step_s = (time.perf_counter() - first_end) / (state.global_step - first_step)
+            self._saves_before = self.record.saves
+            control.should_save = True
+            return {}
+        if self._saves_before is None or self.record.saves == self._saves_before:
+            return {}  # every rank saves at the same step: none has timed it yet
+        if not self.is_main:
+            return {"every": 0.0}
+        every, line = checkpoint.auto_decision("--save-steps", self.record.last_stall_s, 0.0,
+                                               self.step_s, self.nodes, self.node_mtbf_h)
+        print(line, flush=True)
+        return {"every": float(every)}
+
+    def step_ended(self, state: TrainerState) -> None:
+        if self._first_end is None:
+            self._first_end = (state.global_step, time.perf_counter())
+
+    def decided(self, state: TrainerState, shared: dict[str, float]) -> None:
+        if "every" in shared:
+            self.every = state.save_steps = int(shared["every"])
+
+
 class StopOnSignal(TrainerCallback):
     """The runtime's stop vote and checkpoint cadence on Trainer's steps. Every
     STOP_VOTE_EVERY steps and at the last, all ranks ask whether any received SIGUSR1/SIGTERM;
     if so, Trainer saves a checkpoint at the end of this step and ends training, and the run
     exits 0. The last step is saved too, as in every xscale trainer (Trainer itself saves only
-    every save_steps)."""
+    every save_steps). With `auto`, the same vote sets save_steps (AutoSaveSteps)."""
 
     def __init__(self, every: int = runtime.STOP_VOTE_EVERY,
-                 watch: stragglers.StragglerWatch | None = None) -> None:
+                 watch: stragglers.StragglerWatch | None = None,
+                 auto: AutoSaveSteps | None = None) -> None:
         self.every = every
         self.stopped_at: int | None = None
         self.watch = watch  # its vector travels in the vote (xscale.stragglers)
+        self.auto = auto
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
@@ -95,11 +140,17 @@ class StopOnSignal(TrainerCallback):
             control.should_save = True
         if self.watch is not None:
             self.watch.step()
-        if ((last or state.global_step % self.every == 0)
-                and runtime.vote_to_stop(watch=self.watch)):
-            control.should_save = True
-            control.should_training_stop = True
-            self.stopped_at = state.global_step
+        if self.auto is not None:
+            self.auto.step_ended(state)
+        if last or state.global_step % self.every == 0:
+            proposal = self.auto.at_vote(state, control) if self.auto is not None else {}
+            stop, shared = runtime.vote(watch=self.watch, **proposal)
+            if self.auto is not None:
+                self.auto.decided(state, shared)
+            if stop:
+                control.should_save = True
+                control.should_training_stop = True
+                self.stopped_at = state.global_step
         return control
 
 
@@ -121,8 +172,9 @@ class RunRecord(TrainerCallback):
         self.throughput = Throughput(device, warmup_steps=1)
         self.progress = progress.Progress(is_main)  # for the step supervisor's goodput ledger
         self._tokens_seen = 0
-        self._step_ended = 0.0
+        self._before_save = 0.0
         self.stall_s, self.saves = 0.0, 0  # Trainer's saves: synchronous, on every rank
+        self.last_stall_s = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Called after Trainer restored the checkpoint's state: global_step is where we resume.
@@ -141,19 +193,23 @@ class RunRecord(TrainerCallback):
         elif state.global_step % runtime.STOP_VOTE_EVERY == 0:
             self.progress.note("interval", state.global_step)
         self.end_step = state.global_step
-        self._step_ended = time.perf_counter()
+        self._before_save = time.perf_counter()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._before_save = time.perf_counter()  # an evaluation due at a save is no stall
 
     def on_save(self, args, state, control, **kwargs):
-        # Trainer saves right after the step's end (and its log or evaluation, if due): the
+        # Trainer saves right after the step's end, its log and its evaluation, if due: the
         # time since is how long the checkpoint held training up.
-        stall_s = time.perf_counter() - self._step_ended
-        self.stall_s += stall_s
+        self.last_stall_s = time.perf_counter() - self._before_save
+        self.stall_s += self.last_stall_s
         self.saves += 1
-        self.progress.note("checkpoint", state.global_step, stall_s=stall_s)
+        self.progress.note("checkpoint", state.global_step, stall_s=self.last_stall_s)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
+        self._before_save = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.throughput.stop()

@@ -258,13 +258,9 @@ class Loop:
         if not self.ctx.is_main:
             return {"every": 0.0}
         write_s = getattr(self.save_fn, "last_write_s", 0.0)
-        every, seconds, job_mtbf_s = checkpoint.auto_interval(
-            stall_s, write_s, step_s, self.ctx.nnodes, self.node_mtbf_h)
-        self.log.message(
-            f"xscale: --checkpoint-every auto: every {every} steps ({seconds:.1f} s): a save "
-            f"stops training {stall_s:.3f} s and writes for {write_s:.3f} s, a step takes "
-            f"{step_s:.3f} s, a failure comes every {job_mtbf_s / 3600:,.0f} h on "
-            f"{self.ctx.nnodes} node(s) ({self.node_mtbf_h:,.0f} h per node)")
+        every, line = checkpoint.auto_decision("--checkpoint-every", stall_s, write_s, step_s,
+                                               self.ctx.nnodes, self.node_mtbf_h)
+        self.log.message(line)
         return {"every": float(every)}
 
     def _save(self) -> float:
