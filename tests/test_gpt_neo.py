@@ -239,3 +239,27 @@ def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_ev
     assert lines == ["xscale: --save-steps auto: every 1200 steps (300.0 s): a save stops "
                      "training 0.500 s and writes for 0.000 s, a step takes 0.250 s, a failure "
                      "comes every 25 h on 4 node(s) (100 h per node)"]
+
+
+def test_trainers_checkpoint_stall_is_the_save_alone_not_an_evaluation_due_at_its_step(
+        monkeypatch: pytest.MonkeyPatch):
+    """Trainer logs and evaluates before it saves at the same step (the last step always
+    evaluates): the stall is timed from the last of them, as the summary's
+    checkpoint_stall_s promises."""
+    import torch
+    from transformers import TrainerState, TrainingArguments
+    from xscale import hf
+
+    now = [0.0]
+    monkeypatch.setattr(hf.time, "perf_counter", lambda: now[0])
+    record = hf.RunRecord(torch.device("cpu"))
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=1, use_cpu=True,
+                             report_to=[])
+    state = TrainerState(global_step=1, max_steps=10)
+    record.on_train_begin(args, state, None)
+    state.global_step = 10
+    record.on_step_end(args, state, None)
+    for event, seconds in (("on_log", 0.5), ("on_evaluate", 3.0), ("on_save", 0.25)):
+        now[0] += seconds
+        getattr(record, event)(args, state, None, logs={})
+    assert (record.last_stall_s, record.stall_s, record.saves) == (0.25, 0.25, 1)
