@@ -58,12 +58,15 @@ JOB
   [ ! -e "$WORK/scontrol.calls" ]
 }
 
-@test "a malformed XSCALE_MAX_REQUEUES stops before the step runs" {
-  XSCALE_MAX_REQUEUES='1+x' run bash -c \
-    "source '$REPO/jobs/lib/supervise.sh'; requeueable_step touch '$WORK/ran'"
-  [ "$status" -eq 2 ]
-  [ "$output" = "xscale: error: XSCALE_MAX_REQUEUES='1+x' is not a whole number" ]
-  [ ! -e "$WORK/ran" ]
+@test "a malformed count of requeues, spares or restarts stops before the step runs" {
+  local setting
+  for setting in XSCALE_MAX_REQUEUES='1+x' XSCALE_SPARES=two XSCALE_MAX_RESTARTS=-1; do
+    run env "$setting" bash -c \
+      "source '$REPO/jobs/lib/supervise.sh'; requeueable_step touch '$WORK/ran'"
+    [ "$status" -eq 2 ]
+    [ "$output" = "xscale: error: ${setting%%=*}='${setting#*=}' is not a whole number" ]
+    [ ! -e "$WORK/ran" ]
+  done
 }
 
 @test "a warning during an earlier step is held: the training step does not start, the job requeues" {
