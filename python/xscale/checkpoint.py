@@ -190,6 +190,7 @@ def _discard(path: Path) -> None:
         return
     if not path.name.endswith(PARTIAL_SUFFIX):
         doomed = path.with_name(f".{path.name}.removed{PARTIAL_SUFFIX}")
+        shutil.rmtree(doomed, ignore_errors=True)  # an earlier removal's, cut short
         os.replace(path, doomed)
         path = doomed
     shutil.rmtree(path, ignore_errors=True)
@@ -347,8 +348,10 @@ def restore_training_state(
 def resume_training(output_dir: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None = None, *, rank: int,
                     enabled: bool = True) -> int | None:
-    """The step a run resumes from after restoring the newest checkpoint in `output_dir`, or
-    None for a fresh start (no directory, none there, or --no-resume). Every rank calls it."""
+    """The step a run resumes from after restoring the newest checkpoint in `output_dir`, a .pt
+    file or a .dcp directory, or None for a fresh start (no directory, none there, or
+    --no-resume). Every rank calls it. A newest one that cannot be read is reported and the one
+    before it is tried, rather than losing every step since the start."""
     if output_dir is None or not enabled:
         return None
     skip: set[Path] = set()
@@ -470,7 +473,8 @@ class TrainingSaver:
 
     @property
     def last_write_s(self) -> float:
-        """How long rank 0's last background write took (0 in sync mode, and on other ranks)."""
+        """How long the last background write took, on rank 0 to its publication (0 in sync
+        mode; with rank 0 writing alone, 0 on the other ranks)."""
         return self.writer.last_write_s
 
 
@@ -521,12 +525,6 @@ class EveryRankSaver(TrainingSaver):
         if self.is_main:
             publish_directory(partial, path)
             prune(self.output_dir, self.keep, writing=self.token)
-
-    @property
-    def last_write_s(self) -> float:
-        """How long this rank's last background write took, to the whole checkpoint's
-        publication on rank 0 (0 in sync mode)."""
-        return self.writer.last_write_s
 
 
 def training_saver(output_dir: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
