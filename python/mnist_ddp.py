@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="DataLoader workers per rank (MNIST is in memory: 0 is fine)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--output-dir", type=Path, default=None,
-                        help="checkpoints (ckpt-STEP.pt) go here; a run resumes from the newest")
+                        help="checkpoints (ckpt-STEP.pt, or ckpt-STEP.dcp with "
+                        "XSCALE_CHECKPOINT_WRITERS=all) go here; a run resumes from the newest")
     parser.add_argument("--no-resume", dest="resume", action="store_false",
                         help="start from scratch even if --output-dir has checkpoints")
     parser.add_argument("--checkpoint-every", type=checkpoint.every_argument, default=0,

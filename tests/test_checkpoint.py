@@ -6,12 +6,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
 from torch import nn
-from xscale import checkpoint, runlog
+from torch.distributed.checkpoint import FileSystemReader
+from torch.nn.parallel import DistributedDataParallel
+from xscale import checkpoint, dcp_checkpoint, runlog
 from xscale.lifecycle import UserError
 
 # ---------------------------------------------------------------------------------------------
@@ -137,6 +144,11 @@ def test_checkpoint_settings_are_checked():
     assert checkpoint.checkpoint_mode({"XSCALE_CHECKPOINT_MODE": "sync"}) == "sync"
     with pytest.raises(UserError, match="XSCALE_CHECKPOINT_MODE='Async' is neither"):
         checkpoint.checkpoint_mode({"XSCALE_CHECKPOINT_MODE": "Async"})
+    assert checkpoint.checkpoint_writers({}) == "rank0"
+    assert checkpoint.checkpoint_writers({"XSCALE_CHECKPOINT_WRITERS": "all"}) == "all"
+    for bad in ("every", "ALL", "rank1", ""):
+        with pytest.raises(UserError, match=f"XSCALE_CHECKPOINT_WRITERS='{bad}' is neither"):
+            checkpoint.checkpoint_writers({"XSCALE_CHECKPOINT_WRITERS": bad})
     assert checkpoint.node_mtbf_hours({}) == checkpoint.NODE_MTBF_H
     assert checkpoint.node_mtbf_hours({"XSCALE_NODE_MTBF_H": "5000"}) == 5000.0
     for bad in ("0", "-2", "nan", "inf", "many"):
@@ -171,3 +183,155 @@ def test_a_staged_state_keeps_tied_weights_one_tensor():
     assert copy["embedding"] is copy["output"] and copy["embedding"] is not shared
     shared.add_(1.0)
     assert torch.equal(copy["output"], torch.ones(3)) and copy["step"] == 7
+
+
+# ---------------------------------------------------------------------------------------------
+# XSCALE_CHECKPOINT_WRITERS=all: every rank writes its part of ckpt-STEP.dcp
+# ---------------------------------------------------------------------------------------------
+
+
+def small_net() -> nn.Module:
+    """Four tensors of different sizes: enough for DCP's planner to give each of 2 ranks some."""
+    return nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def trained(model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def every_rank_round_trip(rank: int, world: int, rendezvous: str, out: str, mode: str) -> None:
+    """One rank of test_every_rank_writes_a_part_and_resumes_bit_for_bit: save at step 7 while
+    training goes on, then resume into a fresh model and optimizer with a reseeded stream."""
+    os.environ.update(XSCALE_CHECKPOINT_WRITERS="all", XSCALE_CHECKPOINT_MODE=mode)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(small_net())
+    optimizer = trained(model)
+    weights = {name: tensor.clone() for name, tensor in model.module.state_dict().items()}
+    torch.manual_seed(100 + rank)  # each rank its own stream, as the trainers seed them
+    saver = checkpoint.training_saver(Path(out), model, optimizer, is_main=rank == 0, keep=3,
+                                      arch="small")
+    assert saver(7, 2) == Path(out) / "ckpt-000007.dcp"
+    draw = torch.rand(5)  # what this rank's stream gives right after the save
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)  # training goes on while the write is under way
+    saver.wait()
+
+    fresh = DistributedDataParallel(small_net())
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    torch.manual_seed(999)
+    assert checkpoint.resume_training(Path(out), fresh, fresh_optimizer, rank=rank) == 7
+    assert torch.equal(torch.rand(5), draw), f"rank {rank} did not get its own stream back"
+    restored = fresh.module.state_dict()
+    assert all(torch.equal(restored[name], weights[name]) for name in weights)
+    expected, got = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    assert expected.keys() == got.keys()
+    for index, moments in expected.items():
+        assert all(torch.equal(got[index][key], moments[key]) for key in moments), index
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads may abort the interpreter's own exit (docs/TESTBED.md)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_every_rank_writes_a_part_and_resumes_bit_for_bit(tmp_path, mode):
+    """2 gloo processes: each writes its own file of the checkpoint, rank 0 publishes it whole;
+    a fresh model and optimizer get the weights and Adam's moments back, each rank its own
+    random stream (asserted in every_rank_round_trip), the run's fields too."""
+    out = tmp_path / "out"
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(every_rank_round_trip, args=(2, rendezvous, str(out), mode), nprocs=2)
+    path = out / "ckpt-000007.dcp"
+    assert [entry.name for entry in out.iterdir()] == [path.name]  # nothing temporary left
+    files = {index.fqn: info.relative_path
+             for index, info in FileSystemReader(str(path)).read_metadata().storage_data.items()}
+    # DDP's replicas deduplicated and spread: both ranks wrote some of the weights.
+    assert {name for fqn, name in files.items() if fqn.startswith("model.")} == {
+        "__0_0.distcp", "__1_0.distcp"}
+    assert (files["rng/rank0"], files["rng/rank1"]) == ("__0_0.distcp", "__1_0.distcp")
+    head = {dcp_checkpoint.RUN_KEY: None}
+    dcp.load(head, checkpoint_id=path, no_dist=True)
+    assert dcp_checkpoint.unpack(head[dcp_checkpoint.RUN_KEY]) == {
+        "step": 7, "epoch": 2, "world_size": 2, "arch": "small"}
+
+
+def every_rank_saver(out: Path, keep: int = 3, mode: str = "sync") -> checkpoint.EveryRankSaver:
+    """One process, no process group: DCP writes the one part; the publication is the same."""
+    model = small_net()
+    return checkpoint.EveryRankSaver(out, model, trained(model), None, is_main=True, keep=keep,
+                                     mode=mode, extra={})
+
+
+def test_a_killed_every_rank_write_is_ignored_on_resume_and_cleaned_later(tmp_path, capsys):
+    """A job killed before rank 0's rename leaves a temporary directory, whole or not; the
+    resume takes the published checkpoint before it, and the next publication removes it."""
+    every_rank_saver(tmp_path)(10, 0)
+    model = small_net()
+    state = dcp_checkpoint.state_dict(model, trained(model), {"step": 20}, b"", 0)
+    killed = dcp_checkpoint.partial_path(tmp_path, 20, "0ldrun00")
+    dcp_checkpoint.save(state, killed, None)  # every part and .metadata, never renamed
+    half = dcp_checkpoint.partial_path(tmp_path, 30, "0ldrun00")
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"half a part")
+    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path)] == [10]
+    model = small_net()
+    assert checkpoint.resume_training(tmp_path, model, trained(model), rank=0) == 10
+    saver = every_rank_saver(tmp_path)
+    saver(11, 0)
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == [
+        "ckpt-000010.dcp", "ckpt-000011.dcp"]
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_this_runs_own_temporary_directories_are_not_pruned(tmp_path):
+    """The other ranks may start the next save before rank 0 prunes after the last one."""
+    mine = dcp_checkpoint.partial_path(tmp_path, 40, "thisrun0")
+    theirs = dcp_checkpoint.partial_path(tmp_path, 40, "0ldrun00")
+    for folder in (mine, theirs):
+        folder.mkdir()
+    checkpoint.prune(tmp_path, 3, writing="thisrun0")
+    assert mine.is_dir() and not theirs.exists()
+
+
+def test_pruning_and_resume_take_pt_files_and_dcp_directories_together(tmp_path):
+    """A run that switched XSCALE_CHECKPOINT_WRITERS keeps the newest K of both kinds and
+    resumes from the newest step, whichever kind it is."""
+    torch.manual_seed(0)
+    checkpoint.save(tmp_path, 10, {"step": 10}, keep=3)
+    every_rank_saver(tmp_path)(20, 0)
+    checkpoint.save(tmp_path, 30, {"step": 30}, keep=3)
+    saver = every_rank_saver(tmp_path, mode="async")
+    saver(40, 1)
+    saver.wait()
+    assert [path.name for _, path in checkpoint.list_checkpoints(tmp_path)] == [
+        "ckpt-000020.dcp", "ckpt-000030.pt", "ckpt-000040.dcp"]
+    model = small_net()
+    optimizer = trained(model)
+    assert checkpoint.resume_training(tmp_path, model, optimizer, rank=0) == 40
+    assert runlog.param_digest(model) == runlog.param_digest(saver.model)
+    state = checkpoint.training_state(model, optimizer, step=50, epoch=1)
+    checkpoint.save(tmp_path, 50, state, keep=2)
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == [
+        "ckpt-000040.dcp", "ckpt-000050.pt"]  # the removed directory too
+    model = small_net()
+    assert checkpoint.resume_training(tmp_path, model, trained(model), rank=0) == 50
+
+
+@pytest.mark.parametrize("damage", ["truncated part", "no metadata"])
+def test_an_unreadable_newest_directory_falls_back_to_the_previous(tmp_path, capsys, damage):
+    every_rank_saver(tmp_path)(10, 0)
+    every_rank_saver(tmp_path)(20, 0)
+    newest = tmp_path / "ckpt-000020.dcp"
+    if damage == "no metadata":
+        (newest / dcp_checkpoint.METADATA).unlink()
+    else:
+        part = newest / "__0_0.distcp"
+        part.write_bytes(part.read_bytes()[:100])
+    model = small_net()
+    assert checkpoint.resume_training(tmp_path, model, trained(model), rank=0) == 10
+    assert f"cannot read {newest}" in capsys.readouterr().err

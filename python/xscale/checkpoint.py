@@ -1,10 +1,15 @@
-"""Checkpoints that survive the time limit: written atomically by rank 0, found by step.
+"""Checkpoints that survive the time limit: written atomically, found by step.
 
 A job killed while saving (time limit, node failure, scancel) must not leave a file that the
 requeued job then tries to resume from. So rank 0 writes `ckpt-STEP.pt` under a temporary name
 in the same directory, flushes and fsyncs it, checks that the archive is whole, renames it into
 place (atomic on one file system, Lustre included) and fsyncs the directory so the rename itself
 is on disk. Only the last K are kept: ResNet-50 with its optimizer is ~200 MB a copy.
+
+With XSCALE_CHECKPOINT_WRITERS=all every rank writes a part of a `ckpt-STEP.dcp` directory
+(torch.distributed.checkpoint, xscale.dcp_checkpoint) into a temporary directory, and rank 0
+renames it into place once the last part and the metadata are written. Both formats are found,
+resumed from and pruned together, by step.
 
 The write runs in the background (XSCALE_CHECKPOINT_MODE=async, the default): training stops
 only while rank 0 copies the state to host memory (pinned, from a GPU), and the next save, or
@@ -20,6 +25,7 @@ import math
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -32,13 +38,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
+from xscale import dcp_checkpoint
 from xscale.lifecycle import UserError
 from xscale.runlog import unwrap
 
-PATTERN = re.compile(r"^ckpt-(\d+)\.pt$")
+PATTERN = re.compile(r"^ckpt-(\d+)\.(pt|dcp)$")
 TEMP_PREFIX = ".ckpt-"
+PARTIAL_SUFFIX = ".partial"  # an every-rank checkpoint's directory until it is published
 MODES = ("async", "sync")
+WRITERS = ("rank0", "all")
 # A node's mean time between failures: Meta's Llama 3 pretraining saw 419 unexpected
 # interruptions in 54 days on 2,048 nodes of 8 GPUs ("The Llama 3 Herd of Models",
 # arXiv:2407.21783, section 3.3.4). docs/GOODPUT.md uses the same figure.
@@ -50,6 +60,13 @@ def checkpoint_mode(env: Mapping[str, str] = os.environ) -> str:
     if mode not in MODES:
         raise UserError(f"XSCALE_CHECKPOINT_MODE='{mode}' is neither async nor sync")
     return mode
+
+
+def checkpoint_writers(env: Mapping[str, str] = os.environ) -> str:
+    writers = env.get("XSCALE_CHECKPOINT_WRITERS", "rank0")
+    if writers not in WRITERS:
+        raise UserError(f"XSCALE_CHECKPOINT_WRITERS='{writers}' is neither rank0 nor all")
+    return writers
 
 
 def node_mtbf_hours(env: Mapping[str, str] = os.environ) -> float:
@@ -97,19 +114,21 @@ def auto_decision(option: str, stall_s: float, write_s: float, step_s: float, no
         f"node)")
 
 
-def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
-    return Path(output_dir) / f"ckpt-{step:06d}.pt"
+def checkpoint_path(output_dir: str | os.PathLike, step: int, suffix: str = ".pt") -> Path:
+    return Path(output_dir) / f"ckpt-{step:06d}{suffix}"
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint, oldest first."""
+    """(step, path) of every complete checkpoint, oldest first: rank 0's ckpt-STEP.pt files and
+    every rank's ckpt-STEP.dcp directories together, so that a run that changed
+    XSCALE_CHECKPOINT_WRITERS resumes from the newest either way."""
     folder = Path(output_dir)
     if not folder.is_dir():
         return []
     found = []
     for entry in folder.iterdir():
         match = PATTERN.match(entry.name)
-        if match and entry.is_file():
+        if match and (entry.is_dir() if match.group(2) == "dcp" else entry.is_file()):
             found.append((int(match.group(1)), entry))
     return sorted(found)
 
@@ -148,16 +167,45 @@ def check_archive(path: Path) -> None:
             raise OSError(f"{path}: no data.pkl in the archive")
 
 
-def prune(output_dir: str | os.PathLike, keep: int) -> list[Path]:
-    """Remove all but the newest `keep` checkpoints (and temporaries of interrupted saves)."""
+def publish_directory(partial: Path, path: Path) -> None:
+    """Rename a directory that is whole into its name, durably (an older one of that name, from a
+    run that resumed from before it, goes first)."""
+    fsync_dir(partial)  # every rank's files and DCP's .metadata are entries in it
+    if path.exists():
+        _discard(path)
+    os.replace(partial, path)
+    fsync_dir(path.parent)
+
+
+def prune(output_dir: str | os.PathLike, keep: int, writing: str | None = None) -> list[Path]:
+    """Remove all but the newest `keep` checkpoints (and temporaries of interrupted saves).
+    WRITING: the run token of this run's every-rank saves, whose temporary directories may be
+    under way (the other ranks start the next save before rank 0 prunes); any other run's are
+    an interrupted save's. Saves are one at a time: any .tmp file left now is one too."""
+    folder = Path(output_dir)
     removed = []
     if keep > 0:
-        removed += [path for _, path in list_checkpoints(output_dir)[:-keep]]
-    # Only rank 0 writes, one save at a time: any temporary left now is an interrupted save's.
-    removed += Path(output_dir).glob(f"{TEMP_PREFIX}*.tmp")
+        removed += [path for _, path in list_checkpoints(folder)[:-keep]]
+    removed += folder.glob(f"{TEMP_PREFIX}*.tmp")
+    removed += [path for path in folder.glob(f"{TEMP_PREFIX}*{PARTIAL_SUFFIX}")
+                if writing is None or not path.name.endswith(f".{writing}{PARTIAL_SUFFIX}")]
     for path in removed:
-        path.unlink(missing_ok=True)
+        _discard(path)
     return removed
+
+
+def _discard(path: Path) -> None:
+    """A file, or a directory renamed out of the checkpoints' names first, so that a job killed
+    while removing it leaves a temporary to clean, not a ckpt-STEP.dcp with files missing."""
+    if not path.is_dir():
+        path.unlink(missing_ok=True)
+        return
+    if not path.name.endswith(PARTIAL_SUFFIX):
+        doomed = path.with_name(f".{path.name}.removed{PARTIAL_SUFFIX}")
+        shutil.rmtree(doomed, ignore_errors=True)  # an earlier removal's, cut short
+        os.replace(path, doomed)
+        path = doomed
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def save(output_dir: str | os.PathLike, step: int, state: dict[str, Any], keep: int = 3) -> Path:
@@ -168,36 +216,56 @@ def save(output_dir: str | os.PathLike, step: int, state: dict[str, Any], keep: 
     return path
 
 
-def _read_newest(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+def _unreadable(path: Path, error: object) -> None:
+    print(f"xscale: warning: cannot read {path} ({error}); trying an older checkpoint",
+          file=sys.stderr, flush=True)
+
+
+def _read_newest(output_dir: str | os.PathLike, skip: set[Path] | None = None,
+                 directories: bool = True) -> tuple[int, Path, dict[str, Any] | None] | None:
+    """(step, path, state) of the newest checkpoint that looks whole, not in SKIP: a .pt file
+    read (state), or a .dcp directory with its metadata (state None: every rank loads its own
+    part, in place, with the model at hand)."""
     for step, path in reversed(list_checkpoints(output_dir)):
+        if path in (skip or ()) or (path.suffix == dcp_checkpoint.SUFFIX and not directories):
+            continue
+        if path.suffix == dcp_checkpoint.SUFFIX:
+            if dcp_checkpoint.is_whole(path):
+                return step, path, None
+            _unreadable(path, f"no {dcp_checkpoint.METADATA}")
+            continue
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:  # a corrupt file of any kind: fall back, loudly
-            print(f"xscale: warning: cannot read {path} ({error}); trying an older checkpoint",
-                  file=sys.stderr, flush=True)
+            _unreadable(path, error)
             continue
         state.setdefault("step", step)
-        return state
+        return step, path, state
     return None
 
 
-def load_latest(output_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The newest readable checkpoint's state on the CPU, or None; every rank calls this.
-
-    An unreadable newest file (a disk that lied about fsync) is reported and the next older
-    one is tried, rather than losing every step since the start. All ranks must resume from the
-    same step: an output directory on node-local storage (/tmp) would give the other nodes no
-    checkpoint, which is a UserError rather than silently diverged replicas.
-    """
-    state = _read_newest(output_dir)
+def _agree(step: int | None, output_dir: str | os.PathLike) -> None:
+    """All ranks must resume from the same step: an output directory on node-local storage
+    (/tmp) would give the other nodes no checkpoint, which is a UserError rather than silently
+    diverged replicas."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         steps: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(steps, None if state is None else int(state["step"]))
+        dist.all_gather_object(steps, step)
         if len(set(steps)) > 1:
             seen = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
             raise UserError(f"the ranks found different newest checkpoints in {output_dir} "
                             f"({seen}); --output-dir must be on storage all nodes share")
-    return state
+
+
+def load_latest(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The newest readable ckpt-STEP.pt's state on the CPU, or None; every rank calls this.
+
+    An unreadable newest file (a disk that lied about fsync) is reported and the next older
+    one is tried, rather than losing every step since the start. The ranks must agree (_agree).
+    """
+    found = _read_newest(output_dir, directories=False)
+    _agree(None if found is None else found[0], output_dir)
+    return None if found is None else found[2]
 
 
 def rng_state() -> dict[str, Any]:
@@ -292,15 +360,38 @@ def restore_training_state(
 def resume_training(output_dir: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None = None, *, rank: int,
                     enabled: bool = True) -> int | None:
-    """The step a run resumes from after restoring the newest checkpoint in `output_dir`, or
-    None for a fresh start (no directory, none there, or --no-resume). Every rank calls it."""
+    """The step a run resumes from after restoring the newest checkpoint in `output_dir`, a .pt
+    file or a .dcp directory, or None for a fresh start (no directory, none there, or
+    --no-resume). Every rank calls it. A newest one that cannot be read is reported and the one
+    before it is tried, rather than losing every step since the start."""
     if output_dir is None or not enabled:
         return None
-    state = load_latest(output_dir)
-    if state is None:
-        return None
-    step, _ = restore_training_state(state, model, optimizer, scaler, rank=rank)
-    return step
+    skip: set[Path] = set()
+    while True:
+        found = _read_newest(output_dir, skip)
+        _agree(None if found is None else found[0], output_dir)
+        if found is None:
+            return None
+        _, path, state = found
+        if state is not None:
+            return restore_training_state(state, model, optimizer, scaler, rank=rank)[0]
+        try:
+            return restore_every_rank(path, model, optimizer, scaler, rank=rank)
+        except CheckpointException as error:  # raised on every rank alike: all fall back
+            _unreadable(path, error)
+            skip.add(path)
+
+
+def restore_every_rank(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       scaler: torch.amp.GradScaler | None = None, *, rank: int) -> int:
+    """Load a ckpt-STEP.dcp (every rank its part, in place; a collective); the step."""
+    run, rng = dcp_checkpoint.load(path, unwrap(model), optimizer, rank=rank,
+                                   group=dcp_checkpoint.checkpoint_group())
+    if scaler is not None and "scaler" in run:
+        scaler.load_state_dict(run["scaler"])
+    if rng is not None:
+        set_rng_state(dcp_checkpoint.unpack(rng))
+    return int(run["step"])
 
 
 def staged(value: Any, _copies: dict | None = None) -> Any:
@@ -394,15 +485,67 @@ class TrainingSaver:
 
     @property
     def last_write_s(self) -> float:
-        """How long rank 0's last background write took (0 in sync mode, and on other ranks)."""
+        """How long the last background write took, on rank 0 to its publication (0 in sync
+        mode; with rank 0 writing alone, 0 on the other ranks)."""
         return self.writer.last_write_s
+
+
+class EveryRankSaver(TrainingSaver):
+    """TrainingSaver's contract with XSCALE_CHECKPOINT_WRITERS=all: every rank writes its part of
+    ckpt-STEP.dcp into this run's temporary directory for the step; rank 0 publishes it once DCP
+    is done. In the background (DCP's async_save: the call holds training while this rank's
+    state is copied to host memory) unless the mode is sync. Made by every rank at once: the
+    checkpoints' group and the run token are agreed on here."""
+
+    def __init__(self, output_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler | None, *, is_main: bool, keep: int,
+                 mode: str, extra: dict[str, Any]) -> None:
+        super().__init__(output_dir, model, optimizer, scaler, is_main=is_main, keep=keep,
+                         mode=mode, extra=extra)
+        self.group = dcp_checkpoint.checkpoint_group()
+        self.token = dcp_checkpoint.run_token(self.group)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.stager = dcp_checkpoint.pinned_stager() if mode == "async" else None
+
+    def __call__(self, step: int, epoch: int) -> Path:
+        # Every rank, not only rank 0: the previous save's collectives on the checkpoints' group
+        # must be over before this one's begin, and this rank's staged copy is reused.
+        self.writer.wait()
+        run = {"step": step, "epoch": epoch, "world_size": self.world, **self.extra}
+        if self.scaler is not None and self.scaler.is_enabled():
+            run["scaler"] = self.scaler.state_dict()
+        state = dcp_checkpoint.state_dict(unwrap(self.model), self.optimizer, run,
+                                          dcp_checkpoint.pack(rng_state()), self.rank)
+        partial = dcp_checkpoint.partial_path(self.output_dir, step, self.token)
+        path = checkpoint_path(self.output_dir, step, dcp_checkpoint.SUFFIX)
+        if self.mode == "sync":
+            dcp_checkpoint.save(state, partial, self.group)
+            self._publish(partial, path)
+            self.writer.last_write_s = 0.0
+            return path
+        written = dcp_checkpoint.start_save(state, partial, self.group, self.stager)
+
+        def finish() -> None:
+            written.result()  # this rank's part, and on rank 0 every part and the metadata
+            self._publish(partial, path)
+
+        self.writer.start(finish)
+        return path
+
+    def _publish(self, partial: Path, path: Path) -> None:
+        if self.is_main:
+            publish_directory(partial, path)
+            prune(self.output_dir, self.keep, writing=self.token)
 
 
 def training_saver(output_dir: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
                    scaler: torch.amp.GradScaler | None = None, *, is_main: bool, keep: int,
                    **extra: Any) -> TrainingSaver | None:
-    """The runtime Loop's saver; None without an output directory."""
+    """The runtime Loop's saver (every rank makes it at the same point); None without an output
+    directory."""
     if output_dir is None:
         return None
-    return TrainingSaver(output_dir, model, optimizer, scaler, is_main=is_main, keep=keep,
-                         mode=checkpoint_mode(), extra=extra)
+    make = EveryRankSaver if checkpoint_writers() == "all" else TrainingSaver
+    return make(output_dir, model, optimizer, scaler, is_main=is_main, keep=keep,
+                mode=checkpoint_mode(), extra=extra)

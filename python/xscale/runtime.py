@@ -133,6 +133,7 @@ class Loop:
         self.auto_every = checkpoint_every == "auto"
         self.checkpoint_every = 0 if self.auto_every else int(checkpoint_every)
         checkpoint.checkpoint_mode()  # a bad setting stops the run before its first step
+        checkpoint.checkpoint_writers()
         self.node_mtbf_h = checkpoint.node_mtbf_hours()
         self.stall_s, self.saves = 0.0, 0
         self._first_step_at: float | None = None

@@ -7,10 +7,13 @@ save in each mode, interleaved; medians over the rounds. "blocks": the save call
 training waits for; "writes": the background write that follows (async only).
 
 Then whether spreading the write over the ranks pays: 2 and 4 gloo ranks holding the same
-resnet50 state (DDP's case), torch.distributed.checkpoint.save by every rank (its planner gives
-each rank a part) against torch.save by rank 0, interleaved, medians.
+resnet50 state (DDP's case), each saving through the trainers' own saver with
+XSCALE_CHECKPOINT_WRITERS=all (every rank its part of ckpt-STEP.dcp, torch.distributed.checkpoint)
+and rank0 (ckpt-STEP.pt), in both modes, interleaved; medians. "blocks": the slowest rank's save
+call (the next collective waits for it); "writes": rank 0's background write, to the whole
+checkpoint's publication.
 
-    python tests/bench/checkpoint.py [--rounds N]
+    python tests/bench/checkpoint.py [--rounds N] [--ranks-only]
 """
 
 from __future__ import annotations
@@ -87,9 +90,11 @@ def timed_save(saver: checkpoint.TrainingSaver, step: int) -> tuple[float, float
     return blocked, saver.last_write_s
 
 
+SPREAD = [(writers, mode) for writers in ("rank0", "all") for mode in ("sync", "async")]
+
+
 def spread_rank(rank: int, world: int, port: int, work: Path, rounds: int) -> None:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -97,23 +102,25 @@ def spread_rank(rank: int, world: int, port: int, work: Path, rounds: int) -> No
     torch.manual_seed(0)
     model, optimizer = resnet50()
     one_step(model, optimizer)
-    times: dict[str, list[float]] = {"every rank": [], "rank 0": []}
+    savers = {(writers, mode): (checkpoint.EveryRankSaver if writers == "all"
+                                else checkpoint.TrainingSaver)(
+        work / f"{writers}-{mode}", model, optimizer, None, is_main=rank == 0, keep=1, mode=mode,
+        extra={}) for writers, mode in SPREAD}
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {how: [] for how in SPREAD}
     for round_index in range(rounds):
-        for how, seconds in times.items():
-            target = work / f"{how.replace(' ', '-')}-{round_index}"
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        for how, saver in savers.items():
             dist.barrier()
-            started = time.perf_counter()
-            if how == "every rank":
-                dcp.save(state, checkpoint_id=str(target))
-            elif rank == 0:
-                checkpoint.atomic_save(state, target / "ckpt.pt")
-            dist.barrier()
-            seconds.append(time.perf_counter() - started)
+            blocked, written = timed_save(saver, round_index + 1)
+            slowest = torch.tensor([blocked])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times[how].append((slowest.item(), written))
     if rank == 0:
-        print(f"{world} ranks: every rank (torch.distributed.checkpoint) "
-              f"{statistics.median(times['every rank']):.3f} s, rank 0 (torch.save) "
-              f"{statistics.median(times['rank 0']):.3f} s")
+        for (writers, mode), seconds in times.items():
+            blocks = statistics.median(blocked for blocked, _ in seconds)
+            writes = statistics.median(written for _, written in seconds)
+            after = f"{writes:8.3f} s" if mode == "async" else f"{'-':>10s}"
+            print(f"{world:5d} {writers:>7s} {mode:>6s} {blocks:8.3f} s {after}")
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -129,18 +136,14 @@ def spread(world: int, work: Path, rounds: int) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    work = REPO / "build" / "bench-checkpoint"
+def models(work: Path, rounds: int) -> None:
     print(f"{'model':28s} {'state':>9s} {'sync blocks':>12s} {'async blocks':>13s} "
           f"{'async writes':>13s}")
     for name, build in MODELS.items():
         model, optimizer = build()
         one_step(model, optimizer)
         times: dict[str, list[tuple[float, float]]] = {"sync": [], "async": []}
-        for round_index in range(args.rounds):
+        for round_index in range(rounds):
             for mode in times:
                 shutil.rmtree(work, ignore_errors=True)
                 saver = checkpoint.TrainingSaver(work, model, optimizer, None, is_main=True,
@@ -152,7 +155,19 @@ def main() -> int:
         print(f"{name:28s} {state_mb(model, optimizer):7.0f} MB {sync:10.3f} s {asynchronous:11.3f}"
               f" s {writes:11.3f} s")
     shutil.rmtree(work, ignore_errors=True)
-    print("\nresnet50 + SGD on several ranks, one save of the same state:")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ranks-only", action="store_true",
+                        help="only the 2 and 4 rank comparison of the writers")
+    args = parser.parse_args()
+    work = REPO / "build" / "bench-checkpoint"
+    if not args.ranks_only:
+        models(work, args.rounds)
+    print("\nresnet50 + SGD on several ranks, one save of the same state (medians):")
+    print(f"{'ranks':>5s} {'writers':>7s} {'mode':>6s} {'blocks':>10s} {'writes':>10s}")
     for world in (2, 4):
         spread(world, work, args.rounds)
     return 0
