@@ -200,7 +200,8 @@ def tokenize(
 
 
 def training_arguments(args: argparse.Namespace, output_dir: str, world_size: int,
-                       device: torch.device, backend: str) -> TrainingArguments:
+                       device: torch.device, backend: str,
+                       resume_from: str | None = None) -> TrainingArguments:
     on_gpu = device.type != "cpu"
     return TrainingArguments(
         output_dir=output_dir,
@@ -211,8 +212,7 @@ def training_arguments(args: argparse.Namespace, output_dir: str, world_size: in
         learning_rate=args.learning_rate,
         weight_decay=0.01,
         save_strategy="steps",
-        # auto: none but the last until the first timed save sets the cadence (hf.AutoSaveSteps)
-        save_steps=args.max_steps if args.save_steps == "auto" else args.save_steps,
+        save_steps=hf.initial_save_steps(args.save_steps, args.max_steps, resume_from),
         save_total_limit=4,
         eval_strategy="steps",
         eval_steps=args.eval_steps,
@@ -262,7 +262,9 @@ def train(args: argparse.Namespace) -> int:
     output_dir = os.path.join(args.output_path, args.model_name)
     logging_dir = os.path.join(args.logging_path, args.model_name)
     # Creating the arguments joins the process group (accelerate, from the torchrun variables).
-    training_args = training_arguments(args, output_dir, placement.world_size, device, backend)
+    resume_from = hf.newest_checkpoint(output_dir) if args.resume is not False else None
+    training_args = training_arguments(args, output_dir, placement.world_size, device, backend,
+                                       resume_from)
     # One process joins no group: no backend to report.
     ctx = hf.context(placement, training_args.device,
                      backend if placement.world_size > 1 else None)
@@ -279,7 +281,6 @@ def train(args: argparse.Namespace) -> int:
               f"{len(train_set):,} training sequences of up to {args.max_length} tokens",
               flush=True)
 
-    resume_from = hf.newest_checkpoint(output_dir) if args.resume is not False else None
     if ctx.is_main and args.resume and resume_from is None:
         print(f"No checkpoint in {output_dir} yet: starting from {model_path}", flush=True)
 

@@ -263,3 +263,16 @@ def test_trainers_checkpoint_stall_is_the_save_alone_not_an_evaluation_due_at_it
         now[0] += seconds
         getattr(record, event)(args, state, None, logs={})
     assert (record.last_stall_s, record.stall_s, record.saves) == (0.25, 0.25, 1)
+
+
+def test_save_steps_auto_starts_from_the_interval_its_checkpoint_was_saved_with(tmp_path: Path):
+    """Trainer restores save_steps from the checkpoint's trainer_state.json (and warns when the
+    arguments differ): a resumed auto run starts with that interval until it decides anew."""
+    from xscale.hf import initial_save_steps
+
+    saved = tmp_path / "checkpoint-25"
+    saved.mkdir()
+    (saved / "trainer_state.json").write_text('{"global_step": 25, "save_steps": 70}')
+    assert initial_save_steps("auto", 1000, str(saved)) == 70
+    assert initial_save_steps("auto", 1000, None) == 1000  # none but the last step's
+    assert initial_save_steps(40, 1000, str(saved)) == 40  # a number is the user's

@@ -8,6 +8,7 @@ connect it to what every xscale trainer reports and how every xscale trainer sto
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import time
@@ -116,6 +117,20 @@ class AutoSaveSteps:
     def decided(self, state: TrainerState, shared: dict[str, float]) -> None:
         if "every" in shared:
             self.every = state.save_steps = int(shared["every"])
+
+
+def initial_save_steps(save_steps: int | str, max_steps: int, resume_from: str | None) -> int:
+    """Trainer's save_steps as training starts. With auto, until the timed save decides anew:
+    the interval the checkpoint resumed from was saved with (Trainer restores that one anyway,
+    and warns when the arguments differ), else none but the last step's."""
+    if save_steps != "auto":
+        return int(save_steps)
+    if resume_from is not None:
+        with open(os.path.join(resume_from, TRAINER_STATE)) as handle:
+            saved = json.load(handle).get("save_steps")
+        if isinstance(saved, int) and saved > 0:
+            return saved
+    return max_steps
 
 
 class StopOnSignal(TrainerCallback):
