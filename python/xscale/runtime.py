@@ -95,11 +95,6 @@ def vote(reduce: Callable[..., dict[str, Any]] | None = None,
     return sums["stop"] > 0, {name: sums[name] for name in shared}
 
 
-def vote_to_stop(reduce: Callable[..., dict[str, Any]] | None = None,
-                 watch: stragglers.StragglerWatch | None = None) -> bool:
-    return vote(reduce, watch)[0]
-
-
 def stop_message(prog: str, step: int, saved: object | None) -> str:
     """The line rank 0 prints after a stop (it may not have received the signal itself)."""
     name = lifecycle.signal_name(lifecycle.stop_received()) or "a signal to another rank"
