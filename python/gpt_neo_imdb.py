@@ -261,8 +261,8 @@ def train(args: argparse.Namespace) -> int:
     splits = load_reviews(args.dataset)
     output_dir = os.path.join(args.output_path, args.model_name)
     logging_dir = os.path.join(args.logging_path, args.model_name)
-    # Creating the arguments joins the process group (accelerate, from the torchrun variables).
     resume_from = hf.newest_checkpoint(output_dir) if args.resume is not False else None
+    # Creating the arguments joins the process group (accelerate, from the torchrun variables).
     training_args = training_arguments(args, output_dir, placement.world_size, device, backend,
                                        resume_from)
     # One process joins no group: no backend to report.
