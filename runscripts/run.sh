@@ -38,12 +38,15 @@ for this rank (so '--rank \$SLURM_PROCID' works); every other $ form stays as wr
   --print-env   print KEY=VALUE for every variable run.sh exports (sorted) and exit
   --help        this text
 
-Launchers (first match wins): torchrun (RANK and WORLD_SIZE already set), Slurm (srun task),
-PBS/PALS (Aurora mpiexec), Open MPI (mpirun), MPICH/Cray PMI; otherwise one process, rank 0 of 1.
+Launchers (first match wins): torchrun (TORCHELASTIC_RUN_ID set), Slurm (srun task), PBS/PALS
+(Aurora mpiexec), Open MPI (mpirun), MPICH/Cray PMI, RANK and WORLD_SIZE set by hand; otherwise
+one process, rank 0 of 1.
 
 Exported (each kept if already set):
   RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE NODE_RANK NNODES
-                      this rank's place, read from the launcher's own variables
+                      this rank's place, read from the launcher's own variables. One set before
+                      run.sh must agree with the launcher (a job script's stale WORLD_SIZE would
+                      hang the rendezvous): otherwise an error naming both values
   MASTER_ADDR         first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST, or
                       the first line of PBS_NODEFILE; 127.0.0.1 for one process. Best set by the
                       job script outside the container.
@@ -54,7 +57,10 @@ Exported (each kept if already set):
   XSCALE_CACHE_DIR    node-local cache, /tmp/xscale-USER-JOB.STEP-NODE (mode 0700; a symlink or a
                       directory of another user is refused). XSCALE_CACHE_ROOT replaces /tmp.
   TORCH_EXTENSIONS_DIR, TRITON_CACHE_DIR   inside XSCALE_CACHE_DIR (JIT builds off Lustre)
-  OMP_NUM_THREADS     CPUs in this rank's affinity mask (what --cpu-bind gave it)
+  OMP_NUM_THREADS     this rank's share of the CPUs it may run on: SLURM_CPUS_PER_TASK (srun -c),
+                      else its affinity mask (--cpu-bind), divided among the node's ranks when
+                      every rank's mask is the whole node (--cpu-bind=none); --print-env says
+                      which, in a '# ' line
   TORCH_NCCL_ASYNC_ERROR_HANDLING=1, XSCALE_TIMEOUT_S=600
                       a dead rank fails the job instead of hanging it (NCCL and RCCL). The old
                       name NCCL_ASYNC_ERROR_HANDLING is not exported: torch >= 2.2 warns about it

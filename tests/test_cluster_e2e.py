@@ -30,6 +30,8 @@ def test_four_ranks_over_two_nodes_allreduce(cluster):
     assert [r["local_rank"] for r in ranks] == [0, 1, 0, 1]
     assert [r["node"] for r in ranks] == ["nid001", "nid001", "nid002", "nid002"]
     assert all(r["sum"] == r["expected"] == 10 for r in ranks)
+    # --cpu-bind=none: every rank's mask is its node's two CPUs, shared by the node's two ranks.
+    assert [r["omp_threads"] for r in ranks] == ["1"] * 4
     assert {r["master"] for r in ranks} == {ranks[0]["master"]}
     assert ranks[0]["master"].startswith("nid001:")
     # '\$SLURM_PROCID', escaped as LUMI's workshop scripts write it, arrives as each rank's number.

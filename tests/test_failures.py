@@ -91,7 +91,7 @@ def start_endless_training(cluster, data: Path, tmp_path: Path,
     training (its first checkpoint exists), with the job id and its output file."""
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     env = {"DATA": str(data), "OUTPUT_DIR": str(out_dir), "MAX_STEPS": "1000000",
-           "EPOCHS": "100000", "CHECKPOINT_EVERY": "4", "OMP_NUM_THREADS": "1", **env}
+           "EPOCHS": "100000", "CHECKPOINT_EVERY": "4", **env}
     job_id = cluster.submit(MNIST_JOB, env=env, output=output,
                             sbatch_options=(f"--chdir={REPO}", *sbatch_options))
     wait_for(lambda: any(out_dir.glob("ckpt-*.pt")), 240, "training to be under way")
@@ -213,8 +213,7 @@ def test_time_limit_stops_saves_requeues_and_resumes(cluster, mnist_data, tmp_pa
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     total_steps, every, warn_s = 60, 10, 100
     env = {"DATA": str(mnist_data), "OUTPUT_DIR": str(out_dir), "MAX_STEPS": str(total_steps),
-           "EPOCHS": "100000", "CHECKPOINT_EVERY": str(every), "OMP_NUM_THREADS": "1",
-           **SLOW_STORAGE}
+           "EPOCHS": "100000", "CHECKPOINT_EVERY": str(every), **SLOW_STORAGE}
     # The template warns 60 s ahead; 100 leaves room for slurmctld's 30 s checking period below.
     job_id = cluster.submit(MNIST_JOB, env=env, output=output,
                             sbatch_options=(f"--chdir={REPO}", f"--signal=B:USR1@{warn_s}"))
@@ -275,7 +274,7 @@ def test_a_run_killed_during_a_background_write_resumes_from_the_checkpoint_befo
     checkpoint before it."""
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     env = {"DATA": str(mnist_data), "OUTPUT_DIR": str(out_dir), "MAX_STEPS": "100000",
-           "EPOCHS": "100000", "CHECKPOINT_EVERY": "10", "OMP_NUM_THREADS": "1", **SLOW_STORAGE}
+           "EPOCHS": "100000", "CHECKPOINT_EVERY": "10", **SLOW_STORAGE}
     job_id = cluster.submit(MNIST_JOB, env=env, output=output,
                             sbatch_options=(f"--chdir={REPO}",))
     try:
@@ -326,7 +325,7 @@ def submit_lumi_mnist(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[
     """jobs/lumi/mnist.sbatch on 2 nodes x 2 ranks, checkpointing every RETRY_EVERY steps."""
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     job_env = virtual_env(tmp_path, DATA=str(data), OUTPUT_DIR=str(out_dir),
-                          MAX_STEPS=str(RETRY_STEPS), OMP_NUM_THREADS="1", **env)
+                          MAX_STEPS=str(RETRY_STEPS), **env)
     job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", str(RETRY_EVERY), "--epochs", "10",
                             env=job_env,
                             output=output, sbatch_options=(*VIRTUAL, "--nodes=2"))
@@ -344,7 +343,7 @@ def submit_with_a_spare(cluster, data: Path, tmp_path: Path, **env: str) -> tupl
     them, two ranks each, and the fourth waits."""
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     job_env = virtual_env(tmp_path, DATA=str(data), OUTPUT_DIR=str(out_dir),
-                          OMP_NUM_THREADS="1", XSCALE_SPARES="1",
+                          XSCALE_SPARES="1",
                           **{"MAX_STEPS": str(SPARE_STEPS), **env})
     job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", str(SPARE_EVERY), "--log-every",
                             str(SPARE_LOG_EVERY), "--epochs", "100", env=job_env, output=output,
@@ -486,7 +485,7 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
     timeout_s = 10
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     job_env = virtual_env(tmp_path, DATA=str(mnist_data), OUTPUT_DIR=str(out_dir),
-                          MAX_STEPS="1000000", OMP_NUM_THREADS="1",
+                          MAX_STEPS="1000000",
                           XSCALE_TIMEOUT_S=str(timeout_s))
     job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", "4", "--epochs", "100000",
                             env=job_env, output=output,
@@ -654,7 +653,7 @@ def test_a_slowed_node_is_named_a_straggler_and_the_healthy_ones_never(cluster, 
         job_id = cluster.submit(MNIST_JOB, output=output, sbatch_options=(
             f"--chdir={REPO}", "--nodes=4", "--ntasks-per-node=1"), env={
             "DATA": str(mnist_data), "OUTPUT_DIR": str(tmp_path / "out"),
-            "MAX_STEPS": str(steps), "EPOCHS": "100000", "OMP_NUM_THREADS": "1"})
+            "MAX_STEPS": str(steps), "EPOCHS": "100000"})
         state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 600)
     finally:
         cluster.fault("heal", "nid004")

@@ -218,6 +218,65 @@ def test_bad_rank_variables_stop_before_exec(tmp_path, variables, named):
     assert not marker.exists()
 
 
+def pals_rank_env(tmp_path: Path) -> dict[str, str]:
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("x4000c0s0b0n0\nx4000c0s1b0n0\n")
+    return {"PALS_RANKID": "13", "PALS_LOCAL_RANKID": "1", "PMI_SIZE": "24",
+            "PALS_LOCAL_SIZE": "12", "PALS_NODEID": "1", "PBS_NODEFILE": str(nodefile),
+            "PBS_JOBID": "4242.aurora-pbs-0001"}
+
+
+OMPI_RANK = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+             "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+             "MASTER_ADDR": "node7", "MASTER_PORT": "23456"}
+PMI_RANK = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+            "MASTER_ADDR": "node1", "MASTER_PORT": "23456"}
+
+
+@pytest.mark.parametrize(("launcher", "stale", "said"), [
+    ("slurm", {"WORLD_SIZE": "16"}, "slurm says 4 (SLURM_NTASKS)"),
+    ("slurm", {"LOCAL_WORLD_SIZE": "8"}, "slurm says 2 (SLURM_STEP_TASKS_PER_NODE)"),
+    ("slurm", {"RANK": "0"}, "slurm says 3 (SLURM_PROCID)"),
+    ("slurm", {"NNODES": "4"}, "slurm says 2 (SLURM_STEP_NUM_NODES)"),
+    ("pbs", {"WORLD_SIZE": "12"}, "pbs says 24 (PMI_SIZE)"),
+    ("pbs", {"NNODES": "1"}, "pbs says 2 (PBS_NODEFILE)"),
+    ("openmpi", {"LOCAL_RANK": "0"}, "openmpi says 1 (OMPI_COMM_WORLD_LOCAL_RANK)"),
+    ("pmi", {"LOCAL_WORLD_SIZE": "8"}, "pmi says 2 (MPI_LOCALNRANKS)"),
+])
+def test_a_rank_variable_that_contradicts_the_launcher_stops_before_exec(
+        tmp_path, launcher, stale, said):
+    """A job script's stale `export WORLD_SIZE=16` must not win over the launcher: every rank
+    would wait in the rendezvous for ranks that never come."""
+    launchers = {"slurm": recorded_slurm_env(), "pbs": pals_rank_env(tmp_path),
+                 "openmpi": OMPI_RANK, "pmi": PMI_RANK}
+    marker = tmp_path / "ran"
+    proc = run(["touch", str(marker)], base_env(tmp_path, **launchers[launcher], **stale))
+    name, value = next(iter(stale.items()))
+    assert_user_error(proc, f"{name}={value} was set before run.sh, but {said}", f"unset {name}")
+    assert not marker.exists()
+
+
+def test_rank_variables_that_agree_with_the_launcher_or_that_it_does_not_say_are_kept(tmp_path):
+    agreeing = print_env(base_env(tmp_path, **recorded_slurm_env(), RANK="03", WORLD_SIZE="4"))
+    assert (agreeing["RANK"], agreeing["WORLD_SIZE"]) == ("03", "4")
+    # Open MPI does not number nodes: NODE_RANK is guessed from block placement, and the user's
+    # (a cyclic placement, say) wins.
+    assert print_env(base_env(tmp_path, **OMPI_RANK, NODE_RANK="0"))["NODE_RANK"] == "0"
+
+
+def test_torchrun_is_known_by_its_run_id_and_hand_set_ranks_by_their_absence(tmp_path):
+    """RANK and WORLD_SIZE alone, inside a Slurm step, are a job script's exports, checked; with
+    no launcher at all they are a hand-made layout, taken as given."""
+    exported = {**recorded_slurm_env(), "RANK": "3", "WORLD_SIZE": "8"}
+    assert_user_error(run(["true"], base_env(tmp_path, **exported)),
+                      "WORLD_SIZE=8 was set before run.sh, but slurm says 4")
+    by_hand = print_env(base_env(tmp_path, RANK="2", WORLD_SIZE="4", LOCAL_RANK="0",
+                                 LOCAL_WORLD_SIZE="1", NODE_RANK="2", NNODES="4",
+                                 MASTER_ADDR="head", MASTER_PORT="4321"))
+    assert by_hand["XSCALE_LAUNCHER"] == "manual"
+    assert layout(by_hand) == [2, 4, 0, 1, 2, 4]
+
+
 # --- MASTER_PORT ---------------------------------------------------------------------------------
 
 def slurm_task_env(tmp_path: Path, job: int, step: int, rank: int) -> dict[str, str]:
@@ -453,6 +512,27 @@ def test_the_start_up_times_are_run_shs_own_and_stay_out_of_print_env(tmp_path):
     assert not {"XSCALE_T_RUNSH", "XSCALE_T_EXEC", "XSCALE_LAUNCH_T"} & set(listed)
 
 
+@pytest.mark.parametrize(("args", "own"), [
+    (["--dist-url", "tcp://nid001:45678"], "--dist-url tcp://nid001:45678"),
+    (["--dist-url=tcp://nid001:45678", "--epochs", "3"], "--dist-url=tcp://nid001:45678"),
+    (["--init-method", "file:///scratch/rdv"], "--init-method file:///scratch/rdv"),
+    (["--master_port", "29500"], "--master_port 29500"),
+    (["--master-addr=nid009"], "--master-addr=nid009"),
+    (["--dist-url", "env://"], None),
+    (["--dist-url", "tcp://${MASTER_ADDR}:$MASTER_PORT"], None),  # run.sh's own, expanded
+])
+def test_the_banner_says_when_the_commands_own_rendezvous_wins(tmp_path, args, own):
+    rank0 = {**recorded_slurm_env(), "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_NODEID": "0"}
+    proc = run(["true", *args], base_env(tmp_path, **rank0))
+    banner = proc.stderr.strip()
+    assert banner.startswith("xscale: launcher=slurm"), proc.stderr
+    if own is None:
+        assert "not used" not in banner, banner
+    else:
+        assert banner.endswith(f" (not used: the command's own {own} wins)"), banner
+
+
 def test_rank_zero_announces_itself_once(tmp_path):
     rank0 = {**recorded_slurm_env(), "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
              "SLURM_NODEID": "0"}
@@ -508,14 +588,41 @@ def test_unwritable_cache_root_is_an_error(tmp_path):
 
 # --- threads, GPUs, debug, site ------------------------------------------------------------------
 
+def threads_and_note(env: dict[str, str], cpus: str | None = None) -> tuple[str, list[str]]:
+    """OMP_NUM_THREADS from run.sh --print-env (under `taskset -c CPUS`), and its notes."""
+    taskset = ["taskset", "-c", cpus] if cpus else []
+    proc = subprocess.run([*taskset, str(RUN_SH), "--print-env"], env=env, capture_output=True,
+                          text=True, timeout=30, check=True)
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("# OMP_NUM_THREADS=")]
+    return env_lines(proc.stdout)["OMP_NUM_THREADS"], notes
+
+
 def test_omp_threads_follow_the_affinity_mask(tmp_path):
     env = base_env(tmp_path)
-    pinned = subprocess.run(
-        ["taskset", "-c", "0", str(RUN_SH), "--print-env"], env=env,
-        capture_output=True, text=True, timeout=30,
-    )
-    assert env_lines(pinned.stdout)["OMP_NUM_THREADS"] == "1"
-    assert print_env(env)["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    assert threads_and_note(env, "0") == (
+        "1", ["# OMP_NUM_THREADS=1: this rank's own affinity mask (1 of the node's "
+              f"{os.cpu_count()} CPUs)"])
+    assert threads_and_note(env)[0] == str(len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to share")
+def test_ranks_that_share_the_nodes_cpus_divide_them(tmp_path):
+    """srun --cpu-bind=none gives every rank the whole node: two ranks (the recorded step's
+    rank 3 has one neighbour) on two CPUs get one thread each, not two."""
+    slurm = {**recorded_slurm_env(), "SLURM_CPUS_ON_NODE": "2"}
+    slurm.pop("SLURM_CPUS_PER_TASK", None)
+    assert threads_and_note(base_env(tmp_path, **slurm), "0,1") == (
+        "1", ["# OMP_NUM_THREADS=1: every rank's affinity mask is the node's 2 CPUs, shared by "
+              "its 2 ranks"])
+    # `srun -c N` says the share itself; never more than the mask.
+    asked = base_env(tmp_path, **slurm, SLURM_CPUS_PER_TASK="1")
+    assert threads_and_note(asked, "0,1") == (
+        "1", ["# OMP_NUM_THREADS=1: SLURM_CPUS_PER_TASK=1 (affinity mask: 2 CPUs)"])
+    too_many = base_env(tmp_path, **slurm, SLURM_CPUS_PER_TASK="8")
+    assert threads_and_note(too_many, "0,1")[0] == "2"
+    # A value set before run.sh wins, and the note says so.
+    assert threads_and_note(base_env(tmp_path, **slurm, OMP_NUM_THREADS="3"), "0,1") == (
+        "3", ["# OMP_NUM_THREADS=3: set before run.sh"])
 
 
 @pytest.mark.parametrize(

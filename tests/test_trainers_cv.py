@@ -327,13 +327,12 @@ def srun_args(*command: str) -> list[str]:
 
 
 def srun(cluster, *command: str, env: dict[str, str] | None = None):
-    return cluster.srun(*srun_args(*command), env={"OMP_NUM_THREADS": "1", **(env or {})})
+    return cluster.srun(*srun_args(*command), env=env)
 
 
 def srun_stopped(cluster, marker: Path, *command: str, env: dict[str, str] | None = None):
     """The command on two nodes with USR1 to the step (scancel) once `marker` exists."""
-    return cluster.srun_signalled(*srun_args(*command), ready=marker.exists,
-                                  env={"OMP_NUM_THREADS": "1", **(env or {})})
+    return cluster.srun_signalled(*srun_args(*command), ready=marker.exists, env=env)
 
 
 def test_mnist_on_two_nodes_stops_on_usr1_to_the_step_and_resumes(cluster, mnist_dir, tmp_path):
@@ -356,7 +355,9 @@ def test_mnist_on_two_nodes_stops_on_usr1_to_the_step_and_resumes(cluster, mnist
 
 
 def srun_one_rank_per_node(cluster, *command: str, env: dict[str, str]) -> dict:
-    """COMMAND as 2 ranks on 2 nodes; its summary, after the checks that every run passes."""
+    """COMMAND as 2 ranks on 2 nodes; its summary, after the checks that every run passes.
+    One thread each: run.sh would give a lone rank its node's two CPUs, but the bed's virtual
+    nodes share this machine's two cores (docs/TESTBED.md)."""
     proc = cluster.srun("-N2", "-n2", "--cpu-bind=none", "--label", "singularity", "exec", IMAGE,
                         "/runscripts/run.sh", "python", *command,
                         env={"OMP_NUM_THREADS": "1", **env})

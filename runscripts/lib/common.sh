@@ -17,6 +17,7 @@
 XS_LIB_DIR=${BASH_SOURCE[0]%/*}
 XS_PROG=${XS_PROG:-run.sh}
 XS_EXPORTED=()   # every name we export, for --print-env
+XS_NOTES=()      # where a computed value came from, for --print-env
 
 # Errors are one line whatever the bad value holds: newlines and carriage returns in it are shown
 # as \n and \r.
@@ -38,7 +39,14 @@ xs_default() {
   XS_EXPORTED+=("$1")
 }
 
-# --print-env: every name xs_default recorded, once, as NAME=VALUE in C-locale order.
+# xs_note TEXT: say in --print-env where a value came from ("OMP_NUM_THREADS=2: ...").
+xs_note() {
+  XS_NOTES+=("$*")
+}
+
+# --print-env: the notes as comments ('#' sorts before every name, and a shell or an env file
+# that reads the output skips them), then every name xs_default recorded, once, as NAME=VALUE in
+# C-locale order.
 xs_print_env() {
   local name
   local -A printed=()
@@ -48,6 +56,7 @@ xs_print_env() {
     printed[$name]=1
     lines+=("$name=${!name}")
   done
+  ((${#XS_NOTES[@]} == 0)) || printf '# %s\n' "${XS_NOTES[@]}"
   printf '%s\n' "${lines[@]}" | LC_ALL=C sort
 }
 

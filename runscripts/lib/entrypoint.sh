@@ -45,8 +45,8 @@ xs_main() {
   xs_check_socket_interfaces
   xs_activate_container_python
   [[ $mode == profile ]] && xs_check_profiler
-  xs_announce
   xs_expand_args "$@"
+  xs_announce "${XS_ARGS[@]}"
   xs_export_startup_times
   if [[ $mode == profile ]] && ((XS_PROFILE_THIS_RANK)); then
     exec "${XS_PROFILER_WORDS[@]}" "${XS_ARGS[@]}"
@@ -73,12 +73,18 @@ xs_activate_container_python() {
   set -u
 }
 
-# Rank 0 names the launcher, site and rendezvous once; XSCALE_VERBOSE=1 has every rank name its
-# node, CPUs and GPUs.
+# Rank 0 names the launcher, site and rendezvous once (ARGS: the command, whose own rendezvous
+# wins for the trainer); XSCALE_VERBOSE=1 has every rank name its node, CPUs and GPUs.
 xs_announce() {
+  local own="" unused=""
   if ((XS_RANK == 0)); then
-    printf 'xscale: launcher=%s site=%s world=%s nodes=%s master=%s:%s\n' "$XS_LAUNCHER" \
-      "$XS_SITE" "$XS_WORLD_SIZE" "$XS_NNODES" "$MASTER_ADDR" "$MASTER_PORT" >&2
+    xs_command_rendezvous own "$@"
+    if [[ -n $own && $own != *"$MASTER_ADDR:$MASTER_PORT"* && $own != *[=\ ]"$MASTER_PORT" \
+          && $own != *[=\ ]"$MASTER_ADDR" ]]; then
+      unused=" (not used: the command's own $own wins)"
+    fi
+    printf 'xscale: launcher=%s site=%s world=%s nodes=%s master=%s:%s%s\n' "$XS_LAUNCHER" \
+      "$XS_SITE" "$XS_WORLD_SIZE" "$XS_NNODES" "$MASTER_ADDR" "$MASTER_PORT" "$unused" >&2
   fi
   if [[ ${XSCALE_VERBOSE:-0} == 1 ]]; then
     local line cpus=""
@@ -89,6 +95,31 @@ xs_announce() {
       "${SLURMD_NODENAME:-$HOSTNAME}" "${cpus//[[:space:]]/}" \
       "${ROCR_VISIBLE_DEVICES:-${CUDA_VISIBLE_DEVICES:-${ZE_AFFINITY_MASK:-all}}}" >&2
   fi
+}
+
+# xs_command_rendezvous OUT ARGS...: OUT=the rendezvous the command names itself, which the
+# trainer uses instead of MASTER_ADDR:MASTER_PORT: a tcp:// or file:// address (pytorch/examples'
+# `--dist-url tcp://nid001:45678`, `init_method=tcp://...`) or a --master-port/--master-addr
+# option; "" when it names none (env://, the torchrun variables, is run.sh's own).
+xs_command_rendezvous() {
+  local out=$1 arg previous=""
+  shift
+  printf -v "$out" '%s' ""
+  for arg in "$@"; do
+    case $arg in
+      -*tcp://* | -*file://*) printf -v "$out" '%s' "$arg"; return ;;
+      *tcp://* | *file://*)
+        [[ $previous == -* ]] && arg="$previous $arg"
+        printf -v "$out" '%s' "$arg"
+        return
+        ;;
+      --master[-_]port=* | --master[-_]addr=*) printf -v "$out" '%s' "$arg"; return ;;
+    esac
+    case $previous in
+      --master[-_]port | --master[-_]addr) printf -v "$out" '%s' "$previous $arg"; return ;;
+    esac
+    previous=$arg
+  done
 }
 
 # Start-up phases (docs/STARTUP.md): the trainer reports how long each rank took from the

@@ -14,6 +14,7 @@ run() {
 }
 
 run run_sh.sh         # what run.sh adds to each rank's start
+run threads.sh        # ranks sharing a node's CPUs: run.sh's thread share vs the whole node
 run get_master.sh     # first host and --all on a 10,000-node list
 run trainers_cv.sh    # mnist_ddp, imagenet, imagenet_deepspeed: samples/s on CPU
 run gpt_neo.sh        # gpt_neo_imdb: tokens/s on CPU
