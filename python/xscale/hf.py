@@ -272,13 +272,22 @@ def checkpoint_written(output_dir: str, record: RunRecord) -> str | None:
 
 
 def tensorboard(logging_dir: str) -> TensorBoardCallback:
-    """TensorBoard logging into `logging_dir` (rank 0 writes; the callback checks).
+    """TensorBoard logging into `logging_dir` (rank 0 writes; the callback checks)."""
+    return _TensorBoardInto(logging_dir)
 
-    transformers 5 dropped TrainingArguments.logging_dir; the callback's own directory replaces it.
-    """
-    callback = TensorBoardCallback()
-    callback.logging_dir = logging_dir
-    return callback
+
+class _TensorBoardInto(TensorBoardCallback):
+    """TensorBoardCallback writing into one directory on transformers 4.x and 5.x alike: 4.x
+    reads TrainingArguments.logging_dir (which 5.0 removed) in `_init_summary_writer(args,
+    log_dir)`, 5.x the callback's own `logging_dir` in `_init_summary_writer(args)`."""
+
+    def __init__(self, logging_dir: str) -> None:
+        super().__init__()
+        self.logging_dir = logging_dir
+
+    def _init_summary_writer(self, args: TrainingArguments, *_: Any) -> None:
+        if self._SummaryWriter is not None:
+            self.tb_writer = self._SummaryWriter(log_dir=self.logging_dir)
 
 
 def newest_checkpoint(output_dir: str) -> str | None:
