@@ -135,6 +135,21 @@ def test_a_requeue_counts_its_wait_in_the_queue_apart_from_the_allocated_time():
     assert goodput.line(book).endswith("; 5 steps redone; 2.1 min queued after requeues")
 
 
+def test_without_progress_notes_the_ledger_says_what_the_supervisor_saw():
+    """A script of one's own notes no progress: the allocated time, the launches, the failed
+    ones, restarts and requeues are the supervisor's own records."""
+    first = {"started": 0.0, "ended": 72.0, "steps": [FAILED, RESUMED], "restarts": 1}
+    second = {"started": 200.0, "ended": 260.0, "steps": [dict(RESUMED, launched=200.0)]}
+    book = goodput.launches_only([first, second])
+    assert book["goodput"] is None
+    assert (book["allocated_s"], book["queued_s"]) == (72 + 60, 200 - 72)
+    assert (book["launches"], book["failed"], book["restarts"], book["requeues"]) == (3, 1, 1, 1)
+    assert book["text"] == ("unknown, the training noted no progress: 2.2 min allocated, "
+                            "3 launches, 1 failed, 1 restarted, 1 requeued")
+    one = goodput.launches_only([{"started": 0.0, "ended": 30.0, "steps": [RESUMED]}])
+    assert one["text"].endswith("0.5 min allocated, 1 launch, 0 failed, 0 restarted, 0 requeued")
+
+
 def test_a_step_that_failed_before_its_first_step_is_all_start_up():
     run = {"started": 0.0, "ended": 20.0,
            "steps": [{"log": "s", "launched": 2.0, "ended": 18.0, "status": 1}]}

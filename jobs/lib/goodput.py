@@ -23,7 +23,10 @@ goodput is training / allocated. The supervisor prints it as the job's script en
     xscale: goodput: 91.2% of 14.3 min (start-up 4.1%, checkpoints 0.8%, lost work 1.7%, ...)
 
 with the same numbers as `XSCALE_GOODPUT {json}` (which `python -m xscale.report` reads) and in
-XSCALE_RECORDS_DIR/goodput.json. Standard library only, Python 3.6 and later.
+XSCALE_RECORDS_DIR/goodput.json. A trainer that notes no progress (a script of one's own without
+xscale's library) leaves only what the supervisor saw itself: the allocated time, the launches,
+their failures, the restarts and requeues (launches_only). Standard library only, Python 3.6
+and later.
 """
 
 import json
@@ -122,6 +125,28 @@ def line(book):
     if book["queued_s"]:
         text += "; %.1f min queued after requeues" % (book["queued_s"] / 60)
     return text
+
+
+def launches_only(runs):
+    """The ledger without progress notes: what the supervisor's own records of RUNS say."""
+    steps = [step for run in runs for step in run.get("steps", [])]
+    timed = [run for run in runs if run.get("started") is not None and run.get("ended") is not None]
+    queued = sum(max(later["started"] - earlier["ended"], 0.0)
+                 for earlier, later in zip(timed, timed[1:]))
+    book = {"goodput": None, "allocated_s": sum(run["ended"] - run["started"] for run in timed),
+            "queued_s": queued, "launches": len(steps),
+            "failed": sum(1 for step in steps if step.get("status") not in (0, None)),
+            "restarts": sum(run.get("restarts", 0) for run in runs),
+            "requeues": max(len(runs) - 1, 0)}
+    book["text"] = ("unknown, the training noted no progress: %.1f min allocated, %s, %d failed, "
+                    "%d restarted, %d requeued"
+                    % (book["allocated_s"] / 60, plural(book["launches"], "launch", "launches"),
+                       book["failed"], book["restarts"], book["requeues"]))
+    return book
+
+
+def plural(count, one, many):
+    return "%d %s" % (count, one if count == 1 else many)
 
 
 def write(records_dir, book):

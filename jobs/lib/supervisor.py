@@ -386,18 +386,22 @@ def command_finish(settings):
 
 def report_goodput(job_records):
     """The job's goodput so far, across its runs: one line, the same as XSCALE_GOODPUT {json}
-    for xscale.report, and XSCALE_RECORDS_DIR/goodput.json (jobs/lib/goodput.py). Only once a
-    trainer has noted its progress: a script that ran no training has nothing to account."""
+    for xscale.report, and XSCALE_RECORDS_DIR/goodput.json (jobs/lib/goodput.py). Without the
+    trainer's progress notes, what the supervisor saw, and where the rest comes from."""
     runs = job_records.runs()
     progress = {step["log"]: goodput.read_progress(step_file(step["log"], ".progress"))
                 for run in runs for step in run.get("steps", [])}
-    if not any(progress.values()):
-        return
-    book = goodput.ledger(runs, lambda step: progress.get(step["log"], []))
-    book["text"] = goodput.line(book)
+    if any(progress.values()):
+        book = goodput.ledger(runs, lambda step: progress.get(step["log"], []))
+        book["text"] = goodput.line(book)
+    else:
+        book = goodput.launches_only(runs)
     book["records"] = goodput.write(job_records.dir, book)
     say("goodput: " + book["text"])
     print("XSCALE_GOODPUT " + json.dumps(book), flush=True)
+    if book["goodput"] is None:
+        say("goodput: its split into training, start-up, checkpoints and lost work needs rank 0's "
+            "progress notes in $XSCALE_PROGRESS: docs/FAILURES.md, \"A script of your own\"")
 
 
 def requeue_at_time_limit(settings):
