@@ -131,8 +131,8 @@ def launches_only(runs):
     """The ledger without progress notes: what the supervisor's own records of RUNS say."""
     steps = [step for run in runs for step in run.get("steps", [])]
     timed = [run for run in runs if run.get("started") is not None and run.get("ended") is not None]
-    queued = sum(max(later["started"] - earlier["ended"], 0.0)
-                 for earlier, later in zip(timed, timed[1:]))
+    queued = sum(max(timed[index]["started"] - timed[index - 1]["ended"], 0.0)
+                 for index in range(1, len(timed)))
     book = {"goodput": None, "allocated_s": sum(run["ended"] - run["started"] for run in timed),
             "queued_s": queued, "launches": len(steps),
             "failed": sum(1 for step in steps if step.get("status") not in (0, None)),
