@@ -32,12 +32,15 @@ system-packages:
 
 venv: $(STAMP)
 
-# Re-installs only when a requirements or constraints file changes (the stamp is newer otherwise).
-$(STAMP): requirements.txt requirements-deepspeed.txt constraints.txt
+# Re-installs only when a requirements or constraints file or pyproject.toml changes (the stamp is
+# newer otherwise). xscale itself is installed editable, as a user of a checkout would, so that
+# the tests import the package (and run the `xscale` command) the way users get it.
+$(STAMP): requirements.txt requirements-deepspeed.txt constraints.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-build-isolation -r requirements-deepspeed.txt
+	$(PY) -m pip install -q -c constraints.txt -e .
 	@touch $@
 
 lint: setup

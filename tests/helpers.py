@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -103,7 +104,18 @@ def find_python36() -> str | None:
     return None
 
 
-PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
+TRAINERS_DIR = Path(__file__).resolve().parent.parent / "python"
+
+
+def trainer_module(name: str) -> ModuleType:
+    """python/NAME.py imported by its path: the trainers are scripts beside the package, not part
+    of it, and the tests import the package as users get it (installed; pyproject.toml)."""
+    spec = importlib.util.spec_from_file_location(name, TRAINERS_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None, name
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
@@ -116,7 +128,7 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               OMP_NUM_THREADS="1", PYTHONPATH=str(PYTHON_DIR), XSCALE_TIMEOUT_S="60", **extra)
+               OMP_NUM_THREADS="1", XSCALE_TIMEOUT_S="60", **extra)
     return env
 
 

@@ -64,7 +64,7 @@ def test_files_sources_exist_and_populate_runscripts(def_file):
 
 
 @pytest.mark.parametrize("def_file", DEF_FILES, ids=lambda p: p.name)
-def test_definitions_install_the_trainers_packages_and_set_pythonpath(def_file):
+def test_definitions_install_the_trainers_packages_and_xscale_itself(def_file):
     parts = sections(def_file)
     post = " ".join(parts.get("post", []))
     installed = set(re.findall(r"[A-Za-z][\w-]*", " ".join(
@@ -73,8 +73,12 @@ def test_definitions_install_the_trainers_packages_and_set_pythonpath(def_file):
     assert NEEDED <= installed, NEEDED - installed
     # DeepSpeed is source-only: an isolated build would pull a second (CUDA) torch.
     assert re.search(r"pip install[^;]*--no-build-isolation[^;]*deepspeed", post)
-    assert any("/opt/xscale/python" in line and "PYTHONPATH" in line
-               for line in parts.get("environment", []))
+    # xscale as a package, from the pyproject.toml copied beside python/; nothing on PYTHONPATH.
+    files = dict(line.split() for line in parts["files"])
+    assert files.get("pyproject.toml") == "/opt/xscale/pyproject.toml"
+    assert any(line.startswith("pip install") and line.split()[-1] == "/opt/xscale"
+               for line in parts["post"])
+    assert not any("PYTHONPATH" in line for line in parts.get("environment", []))
 
 
 def test_lumi_definition_extends_the_workshop_image_in_its_conda_environment():

@@ -12,8 +12,6 @@ import torch
 from xscale import data
 from xscale.lifecycle import UserError
 
-from tests.helpers import PYTHON_DIR
-
 # ---------------------------------------------------------------------------------------------
 # data: resumable epochs and exact evaluation shards
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +101,7 @@ def test_loader_workers_survive_slurms_warning_signal(tmp_path, how, start, surv
     script.write_text(WORKERS_AND_SIGNALS)
     proc = subprocess.run([sys.executable, str(script), how, device], capture_output=True,
                           text=True, timeout=120, start_new_session=True,
-                          env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
+                          env=dict(os.environ))
     if survives:
         assert (proc.returncode, proc.stdout) == (0, "128 True\n"), proc.stderr
         for symptom in ("killed by signal", "exited unexpectedly", "Traceback", "leaked"):

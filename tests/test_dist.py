@@ -16,7 +16,6 @@ from xscale import dist
 from xscale.lifecycle import UserError
 
 from tests.conftest import REPO
-from tests.helpers import PYTHON_DIR
 
 # ---------------------------------------------------------------------------------------------
 # dist: the rank variables, checked
@@ -176,7 +175,7 @@ def test_single_process_needs_no_master_addr(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": str(PYTHON_DIR)}, timeout=60)
+                          env=env, timeout=60)
     assert (proc.returncode, proc.stdout) == (0, "0 1 1.0\n"), proc.stderr
 
 
@@ -186,8 +185,7 @@ def test_missing_master_addr_is_a_user_error(tmp_path):
                       "lifecycle.main_entry(init_distributed, prog='p.py')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env={**env, "RANK": "0", "WORLD_SIZE": "2",
-                               "PYTHONPATH": str(PYTHON_DIR)}, timeout=60)
+                          env={**env, "RANK": "0", "WORLD_SIZE": "2"}, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.startswith("p.py: error: MASTER_ADDR is not set")
     assert len(proc.stderr.splitlines()) == 1

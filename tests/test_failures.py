@@ -15,7 +15,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tool_env
+from tests.conftest import REPO, VENV_BIN, tool_env
 from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import rank_records, tagged_records
 from tests.helpers import summary as summary_of
@@ -569,9 +568,8 @@ def test_a_crashed_node_s_step_restarts_on_the_spare_without_a_requeue(cluster, 
                       (records / "run0-step2.progress").read_text().splitlines()
                       if json.loads(line)["event"] == "first_step")
     goodput_line = next(line for line in text.splitlines() if line.startswith("xscale: goodput:"))
-    report = subprocess.run([sys.executable, "-m", "xscale.report", str(output)],
-                            capture_output=True, text=True, timeout=60, check=False,
-                            env={**os.environ, "PYTHONPATH": str(REPO / "python")})
+    report = subprocess.run([str(VENV_BIN / "xscale"), "report", str(output)],
+                            capture_output=True, text=True, timeout=60, check=False)
     assert f"  goodput     {ledger['text']}" in report.stdout.splitlines(), report
     assert goodput_line == "xscale: goodput: " + ledger["text"]
     print(f"{crashed} crashed: the resumed step's first step came {resumed_at - crashed_at:.1f} s"
@@ -701,7 +699,7 @@ def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_p
     from xscale import checkpoint  # the trainers' own loader, as a resumed job runs it
 
     proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), "-c", HALTED_SAVE,
-                             str(tmp_path)], env={**os.environ, "PYTHONPATH": str(REPO / "python")},
+                             str(tmp_path)], env=dict(os.environ),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "halfway"

@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO
-
 # A trainer's life in one process: its group, a collective, then a timeout-like failure. The
 # Hugging Face path registers the record as it builds its context (xscale.hf.context).
 TRAINER = """
@@ -39,7 +37,7 @@ def free_port() -> int:
 
 
 def run_trainer(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    base = {**os.environ, "PYTHONPATH": str(REPO / "python"), "TORCH_FR_BUFFER_SIZE": "20",
+    base = {**os.environ, "TORCH_FR_BUFFER_SIZE": "20",
             "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "SLURM_JOB_ID": "42",
             "SLURM_STEP_ID": "0", "SLURMD_NODENAME": "nid007"}
     return subprocess.run([sys.executable, "-c", TRAINER, str(free_port())],

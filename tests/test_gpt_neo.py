@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import rank_records, summary, tagged_records
+from tests.helpers import rank_records, summary, tagged_records, trainer_module
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER = "python/gpt_neo_imdb.py"
@@ -41,8 +41,7 @@ def run_trainer(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
 
 
 def test_seed_command_line_parses_with_the_workshop_defaults():
-    import gpt_neo_imdb
-
+    gpt_neo_imdb = trainer_module("gpt_neo_imdb")
     args = gpt_neo_imdb.parse_args(SEED_ARGS)
     assert args.model_name == "gpt-imdb-model"
     assert args.output_path == "/workdir/train-output"

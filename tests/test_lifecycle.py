@@ -13,7 +13,7 @@ import pytest
 from xscale import lifecycle, runtime
 from xscale.lifecycle import UserError
 
-from tests.helpers import PYTHON_DIR, run_two_ranks
+from tests.helpers import run_two_ranks
 
 # ---------------------------------------------------------------------------------------------
 # cli: a UserError is one line and exit status 2
@@ -47,7 +47,7 @@ def test_user_error_in_a_real_process_has_no_traceback(tmp_path):
         "def main():\n    raise UserError('bad value')\n"
         "lifecycle.main_entry(main, prog='prog.py')\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)}, timeout=60)
+                          timeout=60)
     assert proc.returncode == 2
     assert proc.stderr == "prog.py: error: bad value\n"
     assert proc.stdout == ""

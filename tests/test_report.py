@@ -1,10 +1,9 @@
-"""python -m xscale.report: the readable summary of a job's output, its phase table and
-picture (xscale.picture)."""
+"""`xscale report` (and its older spelling, `python -m xscale.report`): the readable summary of a
+job's output, its phase table and picture (xscale.picture)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 from xscale import startup
 
-from tests.helpers import PYTHON_DIR
+from tests.conftest import VENV_BIN
 from tests.test_startup import RANKS
 
 # ---------------------------------------------------------------------------------------------
@@ -32,8 +31,7 @@ def test_report_reads_a_run_that_resumed_and_took_no_step(tmp_path):
                       'XSCALE_RANK {"rank": 2, "node": "nid002"}\n'
                       f"XSCALE_SUMMARY {json.dumps(record)}\n")
     proc = subprocess.run([sys.executable, "-m", "xscale.report", str(output)],
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "none logged (0 steps taken, at step 60)" in proc.stdout
     assert "4 ranks on 2 nodes (nid001, nid002)" in proc.stdout
@@ -52,8 +50,9 @@ def job_output(tmp_path: Path, ranks: list[startup.RankPhases]) -> Path:
 
 
 def report(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "xscale.report", *args], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(PYTHON_DIR)})
+    """The installed `xscale` command (pyproject.toml's console script)."""
+    return subprocess.run([str(VENV_BIN / "xscale"), "report", *args], capture_output=True,
+                          text=True, timeout=60)
 
 
 def colour_rows(image, colour) -> set[int]:
@@ -137,7 +136,7 @@ def test_report_input_errors_are_one_line_and_status_2(tmp_path, case):
         proc = report(str(output), "--png")
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("xscale.report: error:")
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("xscale report: error:")
 
 
 def test_report_reads_the_summary_file_itself_or_through_the_line_that_names_it(tmp_path,

@@ -24,7 +24,6 @@ from xscale import staging
 from xscale.lifecycle import UserError
 
 from tests.conftest import REPO, Cluster, tool_env
-from tests.helpers import PYTHON_DIR
 
 STAGE = REPO / "jobs" / "lib" / "stage"
 STAGE_NODE = REPO / "jobs" / "lib" / "stage-node"
@@ -275,7 +274,7 @@ STAGE_TAR = ("import sys, json\nfrom xscale import lifecycle, staging\n"
 
 def stage_ranks(tar_path: Path, dest: Path, ranks: list[int], timeout_s: float = 60) -> list:
     """Start the waiting ranks first, then local rank 0: they must wait for its marker."""
-    env = {**os.environ, "PYTHONPATH": str(PYTHON_DIR)}
+    env = dict(os.environ)
     procs = [subprocess.Popen([sys.executable, "-c", STAGE_TAR, str(tar_path), str(dest), str(r),
                                str(timeout_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env)

@@ -22,7 +22,7 @@ goodput is training / allocated. The supervisor prints it as the job's script en
 
     xscale: goodput: 91.2% of 14.3 min (start-up 4.1%, checkpoints 0.8%, lost work 1.7%, ...)
 
-with the same numbers as `XSCALE_GOODPUT {json}` (which `python -m xscale.report` reads) and in
+with the same numbers as `XSCALE_GOODPUT {json}` (which `xscale report` reads) and in
 XSCALE_RECORDS_DIR/goodput.json. A trainer that notes no progress (a script of one's own without
 xscale's library) leaves only what the supervisor saw itself: the allocated time, the launches,
 their failures, the restarts and requeues (launches_only). Standard library only, Python 3.6

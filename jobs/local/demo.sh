@@ -32,4 +32,4 @@ job_id=$(sbatch --parsable --wait --output="$DEMO_DIR/mnist-%j.out" \
 }
 printf 'xscale demo: job %s finished; output in %s\n' "$job_id" "$DEMO_DIR/mnist-$job_id.out"
 # --png: the start-up phases as a picture too, one row per node, beside the output.
-PYTHONPATH=$REPO/python python -m xscale.report --png "$DEMO_DIR/mnist-$job_id.out"
+xscale report --png "$DEMO_DIR/mnist-$job_id.out"

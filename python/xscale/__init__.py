@@ -1,8 +1,9 @@
-"""xscale: the shared library of the trainers in python/.
+"""xscale: the runtime library of the trainers in python/, installable as a package.
 
-Trainers run as `python python/NAME.py`, so python/ is on sys.path and this package imports
-as `xscale`; nothing here is installed. A trainer keeps its model, data and step, and goes
-through `runtime` for everything else. Imports run one way, down this list:
+`pip install .` (or `-e .`) in the checkout installs it with the `xscale` command
+(pyproject.toml); xscale's images install it. A trainer run as `python python/NAME.py` finds
+the package beside it all the same. A trainer keeps its model, data and step, and goes through
+`runtime` for everything else. Imports run one way, down this list:
 
     runtime     start(), Loop (Loop.from_args: the trainers' common command line):
                 micro-batches and accumulation, checkpoint cadence, the stop vote every N
@@ -23,8 +24,9 @@ through `runtime` for everything else. Imports run one way, down this list:
     flight      a failed rank's flight record, for the step supervisor to name a hung rank
     progress    rank 0's progress notes, for the step supervisor's goodput ledger
     startup     the start-up phases (launch, run.sh, imports, group, first step): stdlib only
-    report      `python -m xscale.report JOB_OUTPUT|SUMMARY.json`: a readable summary of a run
-    goodput_model  `python -m xscale.goodput_model`: requeue vs spares over a long campaign
+    report      `xscale report JOB_OUTPUT|SUMMARY.json`: a readable summary of a run
+    goodput_model  `xscale goodput-model`: requeue vs spares over a long campaign
+    __main__    the `xscale` command: its subcommands are the two above
     records, archive   the XSCALE_* line reader and staging's unpack-and-publish, which the
                 batch host's programs (jobs/lib/) load by path: Python 3.6, stdlib, no imports
 """

@@ -1,5 +1,5 @@
 """How much of a long training campaign goes to training: requeue after each failure, or restart
-on spare nodes inside the allocation. `python -m xscale.goodput_model --nodes 256` for your job;
+on spare nodes inside the allocation. `xscale goodput-model --nodes 256` for your job;
 `--table` prints docs/GOODPUT.md's table. The defaults, and where each comes from, are there.
 
 A campaign needs WORK seconds of training on NODES nodes. Each allocation starts with the job's
@@ -176,9 +176,8 @@ def table(runs: int) -> str:
     return "\n".join(size_table(runs) + [""] + variant_table(runs))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xscale.goodput_model",
-                                     description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "python -m xscale.goodput_model") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     defaults = Assumptions()
     for field, help_text in (("nodes", "nodes that train"),
                              ("checkpoint_s", "seconds training stalls for a checkpoint"),

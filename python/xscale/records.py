@@ -4,7 +4,7 @@ summary a run leaves in its output directory (xscale-summary.json, which the lin
 `summary_file` names: the line leaves out the per-phase start-up detail, xscale.runlog).
 
 Shared with the batch host: jobs/lib/supervisor.py reads a step's summary with it to tell a
-finished training from a stopped one, and `python -m xscale.report` and the tests read the same
+finished training from a stopped one, and `xscale report` and the tests read the same
 lines. So this module runs on the host's system Python too (3.6 on LUMI's and Aurora's login and
 batch nodes): standard library only, no syntax newer than 3.6, and no import from the xscale
 package, whose other modules need torch or Python 3.10 (jobs/lib/shared.py loads it by path).

@@ -1,5 +1,5 @@
-"""Readable summary of a finished run: `python -m xscale.report JOB_OUTPUT_FILE [--png]`, or
-`python -m xscale.report OUTPUT_DIR/xscale-summary.json`.
+"""Readable summary of a finished run: `xscale report JOB_OUTPUT_FILE [--png]`, or
+`xscale report OUTPUT_DIR/xscale-summary.json` (also `python -m xscale.report ...`).
 
 Reads the machine-readable lines a trainer prints (XSCALE_SUMMARY from rank 0, XSCALE_RANK from
 every rank), run.sh's `xscale: launcher=...` line and the step supervisor's XSCALE_GOODPUT, and
@@ -152,20 +152,21 @@ def save_picture(ranks: list[startup.RankPhases], path: Path) -> None:
         raise ReportError(f"--png: cannot write {path}: {error.strerror or error}") from None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str = "python -m xscale.report") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path,
                         help="the job's output file, or a run's xscale-summary.json")
     parser.add_argument("--png", action="store_true",
                         help="also draw the start-up phases, one row per node, into "
                              "OUTPUT.startup.png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         report(args.output, args.png)
     except ReportError as error:
-        print(f"xscale.report: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,7 +16,7 @@ to the first step. A moment that was not recorded (a step started by hand has no
 trainer started without run.sh has no run.sh times) makes the phases next to it unknown (None),
 never a guess. docs/STARTUP.md models how each phase grows with the job's size.
 
-Standard library only: `python -m xscale.report` aggregates and draws these without torch.
+Standard library only: `xscale report` aggregates and draws these without torch.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ from datetime import timedelta
 # Where xscale's python/ is: beside runscripts/ in a checkout (Aurora, any job that runs
 # runscripts/ from the checkout), in the checkout a job binds at its own path: XSCALE_ROOT
 # (exported by jobs/lib/lumi.sh), else SLURM_SUBMIT_DIR (the templates' default XSCALE_ROOT,
-# srun's directory on the test bed); or in xscale's images (/opt/xscale/python, also on their
-# PYTHONPATH).
+# srun's directory on the test bed); or in xscale's images (/opt/xscale/python). The checkout's
+# comes first, so that the doctor checks with the same xscale the job's trainers run; without
+# any, the installed package (`pip install .`).
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -48,7 +49,7 @@ def xscale_dist():
     try:
         from xscale import dist
     except ImportError as error:
-        raise ImportError("xscale's python/ is not in %s nor on PYTHONPATH (%s): set XSCALE_ROOT "
+        raise ImportError("xscale's python/ is not in %s nor installed (%s): set XSCALE_ROOT "
                           "to the checkout" % (", ".join(python_dirs()), error)) from None
     return dist
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "python"), str(REPO)]
+sys.path[:0] = [str(REPO)]  # the fixtures (tests/); xscale is installed (`make setup`)
 
 from xscale import checkpoint  # noqa: E402
 

@@ -27,11 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "python")]
+from xscale import records
+from xscale.runtime import STOP_VOTE_EVERY as LOG_EVERY
 
-from xscale import records  # noqa: E402
-from xscale.runtime import STOP_VOTE_EVERY as LOG_EVERY  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 WORK = REPO / "build" / "bench-culprits"
 JOB = REPO / "jobs" / "local" / "mnist.sbatch"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The start-up phases (docs/STARTUP.md) on the virtual cluster at 1, 2 and 4 nodes x 2 ranks:
-# jobs/local/mnist.sbatch, RUNS times per size, each run's phase table as `python -m
-# xscale.report` prints it and one line per run for the calibration table. Needs the cluster up
-# (`make bench` starts it).
+# jobs/local/mnist.sbatch, RUNS times per size, each run's phase table as `xscale report` prints
+# it and one line per run for the calibration table. Needs the cluster up (`make bench` starts
+# it).
 #   bash tests/bench/startup.sh [NODES...]      (default: 1 2 4; RUNS=3, MAX_STEPS=3)
 set -euo pipefail
 
@@ -39,7 +39,7 @@ main() {
     for ((run = 1; run <= RUNS; run++)); do
       output=$(run_job "$nodes" "$run")
       echo "== $nodes nodes x 2 ranks, run $run: $output"
-      PYTHONPATH=$REPO/python "$PYTHON" -m xscale.report "$output" | sed -n '/start-up/,$p'
+      "$REPO/.venv/bin/xscale" report "$output" | sed -n '/start-up/,$p'
     done
   done
 }

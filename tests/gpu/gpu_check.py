@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# xscale (python/) and the fixtures (tests/), as pytest's pythonpath has them.
-sys.path[:0] = [str(REPO / "python"), str(REPO)]
+# The fixtures (tests/), as pytest's pythonpath has them; xscale is installed (`make setup`).
+sys.path[:0] = [str(REPO)]
 
 from tests.gpu import figures  # noqa: E402
 from tests.gpu.verdict import (  # noqa: E402
