@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 from xscale import startup
 
 # ---------------------------------------------------------------------------------------------
@@ -30,8 +35,31 @@ def test_moments_come_from_run_sh_and_the_batch_script(monkeypatch):
     environ = {"XSCALE_LAUNCH_T": "10.5", "XSCALE_T_RUNSH": "11,0", "XSCALE_T_EXEC": "11.25"}
     found = startup.moments(environ)
     assert (found["launch"], found["run_sh"], found["exec"]) == (10.5, 11.0, 11.25)
-    assert found["imports"] is not None  # importing xscale marked it
     assert startup.moments({})["launch"] is None
+
+
+# What a plain trainer imports (mnist_ddp.py), then its first call.
+IMPORTS_PROBE = """
+import json, os, sys, torch
+from xscale import checkpoint, data, lifecycle, runtime, startup, vision
+heavy = [name for name in ("torchvision", "torch.distributed.checkpoint") if name in sys.modules]
+before = startup.moments({})["imports"]
+runtime.start("probe.py")
+print(json.dumps({"heavy": heavy, "before": before, "after": startup.moments({})["imports"]}))
+"""
+
+
+def test_importing_xscale_does_no_work_and_the_first_call_marks_the_imports():
+    """No moment is marked, and neither torchvision nor torch.distributed.checkpoint is imported,
+    by the modules a trainer imports: the `imports` phase ends at runtime.start(), so it holds
+    xscale's own imports too, and mnist_ddp.py pays for no module it does not use."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", IMPORTS_PROBE], capture_output=True, text=True,
+                          timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert (found["heavy"], found["before"]) == ([], None), found
+    assert found["after"] is not None
 
 
 def phases_of(launch, run_sh, imports, group, first_step):

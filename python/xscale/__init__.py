@@ -29,11 +29,9 @@ the package beside it all the same. A trainer keeps its model, data and step, an
     __main__    the `xscale` command: its subcommands are the two above
     records, archive   the XSCALE_* line reader and staging's unpack-and-publish, which the
                 batch host's programs (jobs/lib/) load by path: Python 3.6, stdlib, no imports
+
+Importing the package, or any module of it, does no work: the start-up's `imports` moment is
+marked by the first call that starts a run (runtime.start(), hf.device_and_backend()), once the
+trainer's imports, xscale's own modules among them, are really done. Heavy modules that only some
+runs need (torch.distributed.checkpoint, torchvision) are imported where they are used.
 """
-
-from xscale import startup as _startup
-
-# The end of the start-up's "imports" phase. Every trainer imports torch (and its other
-# libraries) before xscale, and the package is imported before any of its modules, so this is
-# the moment those imports were done, whichever xscale module the trainer names first.
-_startup.mark("imports")

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from xscale import dcp_checkpoint
 from xscale.lifecycle import UserError
@@ -375,6 +374,9 @@ def resume_training(output_dir: Path | None, model: nn.Module, optimizer: torch.
         _, path, state = found
         if state is not None:
             return restore_training_state(state, model, optimizer, scaler, rank=rank)[0]
+        # Only now: torch.distributed.checkpoint costs a second of start-up (dcp_checkpoint).
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             return restore_every_rank(path, model, optimizer, scaler, rank=rank)
         except CheckpointException as error:  # raised on every rank alike: all fall back

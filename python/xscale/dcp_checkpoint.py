@@ -25,16 +25,17 @@ import io
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from xscale.dist import timeout_from_env
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import DefaultStager
 
 SUFFIX = ".dcp"
 RUN_KEY = "run"
@@ -83,17 +84,27 @@ def unpack(blob: bytes) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=True)
 
 
+def _dcp() -> ModuleType:
+    """torch.distributed.checkpoint, imported at its first use: about a second of every rank's
+    start-up that a job writing rank 0's .pt checkpoints never needs."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.staging
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (dcp.state_dict below)
+
+    return dcp
+
+
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, run: dict[str, Any],
                rng: bytes, rank: int) -> dict[str, Any]:
     """What this rank hands DCP: the live tensors (DCP stages or writes them) and two blobs."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = _dcp().state_dict.get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state, RUN_KEY: pack(run),
             rng_key(rank): rng}
 
 
 def save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
     """Every rank writes its part into PATH; returns once .metadata is written (a collective)."""
-    dcp.save(state, checkpoint_id=path, process_group=group)
+    _dcp().save(state, checkpoint_id=path, process_group=group)
 
 
 def pinned_stager() -> DefaultStager | None:
@@ -102,15 +113,18 @@ def pinned_stager() -> DefaultStager | None:
     Untested on a GPU in this project's CI (no GPU there)."""
     if not torch.accelerator.is_available():
         return None
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=True))
+    staging = _dcp().staging
+    return staging.DefaultStager(staging.StagingOptions(
+        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+        use_non_blocking_copy=True))
 
 
 def start_save(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None,
                stager: DefaultStager | None) -> Future:
     """Copy this rank's state to host memory, then write it on DCP's own thread; the future is
     done when the whole checkpoint is (its .metadata written), on every rank."""
-    return dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+    return _dcp().async_save(state, checkpoint_id=path, process_group=group,
+                             async_stager=stager)
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
@@ -118,16 +132,17 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank
     """Load PATH into MODEL and OPTIMIZER in place; (the run's fields, this rank's RNG blob, or
     None after a change of world size, when the streams cannot be matched to ranks). Collectives:
     a file that cannot be read raises CheckpointException on every rank alike."""
+    dcp = _dcp()
     head: dict[str, Any] = {RUN_KEY: None}
     dcp.load(head, checkpoint_id=path, process_group=group)
     run = unpack(head[RUN_KEY])
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = dcp.state_dict.get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     world = dist.get_world_size() if dist.is_initialized() else 1
     mine = rng_key(rank)
     if run["world_size"] == world:
         state[mine] = None
     dcp.load(state, checkpoint_id=path, process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                  optim_state_dict=state["optimizer"])
     return run, state.get(mine)

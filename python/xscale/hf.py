@@ -35,7 +35,9 @@ TRAINER_STATE = "trainer_state.json"
 
 def device_and_backend(placement: Placement) -> tuple[torch.device, str]:
     """xscale's choice for Trainer (device from torch.accelerator, backend from the device,
-    XSCALE_BACKEND winning), made before Trainer joins the group so a mistake is one line."""
+    XSCALE_BACKEND winning), made before Trainer joins the group so a mistake is one line. The
+    start-up's `imports` moment: the trainer's libraries are imported by now."""
+    startup.mark("imports")
     accel = probe_accelerator()
     device = choose_device(placement.local_rank, accel=accel)
     return device, choose_backend(None, device, accel)

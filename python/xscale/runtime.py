@@ -64,6 +64,7 @@ def start(prog: str, **options: Any) -> DistContext:
     """Catch the stop signals, then join the process group on this rank's device (options:
     xscale.dist.init_distributed's). Signals first: the warning may come during start-up. A
     collective that fails from then on leaves this rank's flight record (xscale.flight)."""
+    startup.mark("imports")  # the trainer's first call: everything it imports is imported
     lifecycle.install_stop_handlers()
     lifecycle.on_failure(flight.record_failure)
     ctx = init_distributed(**options)

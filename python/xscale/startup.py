@@ -6,8 +6,9 @@ the same clock; across nodes they agree as well as NTP or PTP keeps the nodes' c
     launch      XSCALE_LAUNCH_T: the batch script launched the step (jobs/lib/supervisor.py)
     run_sh      XSCALE_T_RUNSH: run.sh began on this rank
     exec        XSCALE_T_EXEC: run.sh exec'd the trainer
-    imports     the xscale package was imported: every trainer imports torch (and its other
-                libraries: transformers and datasets for GPT-neo) before xscale
+    imports     the trainer's imports are done (torch, its other libraries, xscale's modules):
+                its first call that starts the run marks it (runtime.start for the plain
+                trainers, hf.device_and_backend for Trainer's)
     group       the process group formed (runtime.start; Trainer's arguments for GPT-neo)
     first_step  this run's first optimizer step done (runtime.Loop, hf.RunRecord)
 

@@ -13,9 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
-import torchvision
 from torch import nn
-from torchvision import datasets, transforms
 
 from xscale import checkpoint, staging
 from xscale.dist import DistContext
@@ -27,7 +25,13 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# torchvision is imported in the functions that use it: about a second of start-up that
+# mnist_ddp.py, which takes only evaluate_classifier from here, never needs.
+
+
 def architectures() -> list[str]:
+    import torchvision
+
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
@@ -156,6 +160,8 @@ def datasets_for(root: Path | None, image_size: int,
                  classes: int = 10) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset
                                              | None, int]:
     """(train set, validation set or None, number of classes): pytorch/examples' transforms."""
+    from torchvision import datasets, transforms
+
     normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
     train_tf = transforms.Compose([transforms.RandomResizedCrop(image_size),
                                    transforms.RandomHorizontalFlip(), transforms.ToTensor(),
@@ -178,6 +184,8 @@ def datasets_for(root: Path | None, image_size: int,
 
 def build_model(arch: str, num_classes: int, channels_last: bool = False) -> nn.Module:
     """A freshly initialised torchvision model (no weights are downloaded)."""
+    import torchvision
+
     model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
