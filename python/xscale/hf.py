@@ -8,6 +8,7 @@ connect it to what every xscale trainer reports and how every xscale trainer sto
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -53,18 +54,34 @@ def context(placement: Placement, device: torch.device, backend: str | None) -> 
 
 
 class XscaleTrainer(Trainer):
-    """Trainer whose DataLoader workers start out of reach of Slurm's warning signal.
+    """Trainer whose DataLoader workers start out of reach of Slurm's warning signal, and which
+    resumes on CPU ranks too.
 
     Trainer gives DataLoader a start-method name; a worker spawned from it dies of the SIGUSR1
     that Slurm sends to every process of the step. The loaders Trainer builds get xscale's
     shielded context instead (xscale.lifecycle.worker_context), before their workers start.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _load_cpu_ranks_on_the_cpu()
+
     def get_train_dataloader(self) -> DataLoader:
         return shield_workers(super().get_train_dataloader())
 
     def get_eval_dataloader(self, *args: Any, **kwargs: Any) -> DataLoader:
         return shield_workers(super().get_eval_dataloader(*args, **kwargs))
+
+
+@functools.cache  # once per process
+def _load_cpu_ranks_on_the_cpu() -> None:
+    """accelerate names a CPU rank's device `cpu:N` (N: its local rank), and Trainer (transformers
+    4.x) resumes the optimizer with `torch.load(map_location=that device)` when there are several
+    ranks; torch knows the location `cpu` only ("don't know how to restore data location ...
+    cpu:0"). torch's own hook for storage locations maps every `cpu:N` to the CPU."""
+    torch.serialization.register_package(
+        11, lambda storage: None,  # tags nothing: torch's own tagger names CPU storage
+        lambda storage, location: storage if location.startswith("cpu:") else None)
 
 
 def shield_workers(loader: DataLoader) -> DataLoader:

@@ -201,7 +201,9 @@ printf 'later: %s\n' "\${XSCALE_LAUNCH_T:-unset}"
 JOB
   run bash "$WORK/job.sh"
   [ "$status" -eq 0 ]
-  [ "$output" = "later: unset" ]
+  [ "${lines[0]}" = "later: unset" ]
+  # As the script ends: what the supervisor saw of a step that noted no progress.
+  [[ ${lines[1]} == "xscale: goodput: unknown, the training noted no progress: "*", 1 launch, 0 failed, 0 restarted, 0 requeued" ]]
   read -r launch <"$WORK/launch"
   read -r before after <"$WORK/window"
   # Compare as microseconds: bash has no floating point.
