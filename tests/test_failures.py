@@ -504,8 +504,10 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
     print(f"rank 3 frozen, XSCALE_TIMEOUT_S={timeout_s}: the report came {took:.1f} s later")
     report = [line for line in text.splitlines() if line.startswith("xscale: ")]
     first = next(line for line in report if line.startswith("xscale: first failure"))
-    assert re.fullmatch(r"xscale: first failure: rank 3 on nid002: hung: ranks 0-2 timed out "
-                        r"in gloo:\w+ #\d+ waiting for it", first), text[-4000:]
+    # Which of ranks 0-2 dumped a record before srun ended them after the first timeout is a
+    # race ("ranks 0,2" was seen once): the hung rank and its collective are not.
+    assert re.fullmatch(r"xscale: first failure: rank 3 on nid002: hung: ranks? [0-2]([-,][0-2])* "
+                        r"timed out in gloo:\w+ #\d+ waiting for it", first), text[-4000:]
     # What rank 3 was doing, read with py-spy while it was still there: a Python stack.
     stack = [line for line in text.splitlines() if line.startswith("xscale:   3: ")]
     assert any("Thread" in line for line in stack), text[-4000:]
