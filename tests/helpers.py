@@ -13,6 +13,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -48,6 +50,15 @@ def whole_summary_lines(output: str) -> list[dict]:
     assert {name: whole.get(name) for name in last} == last, (last, whole)
     assert isinstance(whole["startup"], dict) and "startup" not in last, whole
     return found
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str,
+             every: float = 0.2) -> None:
+    """Poll a real condition, bounded: the tests never sleep a fixed time to synchronise."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(every)
 
 
 def rank_records(output: str, tag: str = "XSCALE_RANK") -> list[dict]:

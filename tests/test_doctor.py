@@ -13,12 +13,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, RUNSCRIPTS, tool_env
+from tests.helpers import wait_for
 
 sys.path.insert(0, str(RUNSCRIPTS / "lib"))
 import doctor  # noqa: E402
@@ -55,14 +55,6 @@ def start_doctor(tmp_path: Path, nodes: int, wrapper_args: list[str], doctor_arg
                "--json", str(tmp_path / "verdict.json"), *doctor_args]
     return subprocess.Popen(command, cwd=REPO, env=tool_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    """Poll a real condition (bounded): never a fixed sleep."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.1)
 
 
 def cells(verdict: dict) -> dict[str, dict[str, str]]:

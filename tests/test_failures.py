@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import REPO, VENV_BIN, tool_env
 from tests.fixtures.mnist_idx import write_mnist
-from tests.helpers import rank_records, tagged_records
+from tests.helpers import rank_records, tagged_records, wait_for
 from tests.helpers import summary as summary_of
 from tests.test_jobs import VIRTUAL, virtual_env
 
@@ -64,14 +64,6 @@ def job_processes(job_id: str) -> dict[int, dict[str, str]]:
         if env.get("SLURM_JOB_ID") == job_id:
             found[int(entry.name)] = env
     return found
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    """Poll a real condition (bounded): the tests never sleep a fixed time to synchronise."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.2)
 
 
 def rank_pid(job_id: str, rank: int) -> int:

@@ -33,6 +33,9 @@ TYPES = {
 }
 
 
+TRAINERS = ("mnist_ddp", "imagenet", "imagenet_deepspeed", "gpt_neo_imdb")
+
+
 @pytest.fixture(scope="module")
 def output_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("schema")
@@ -63,45 +66,43 @@ def commands(output_root: Path) -> dict[str, list[str]]:
     }
 
 
-def test_every_trainer_writes_the_one_summary_schema(commands, output_root):
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_every_trainer_writes_the_one_summary_schema(trainer, commands, output_root):
     EXTENSIONS.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    root = output_root
-    for trainer, command in commands.items():
-        args = [arg.replace("{name}", trainer) for arg in command]
-        # As run.sh would leave it (no srun here: the launch and run.sh phases stay unknown).
-        env["XSCALE_T_EXEC"] = repr(time.time())
-        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=600, check=False)
-        assert proc.returncode == 0, (trainer, proc.stderr[-3000:])
-        last = proc.stdout.rstrip().splitlines()[-1]
-        assert last.startswith("XSCALE_SUMMARY "), (trainer, last)  # the last line, always
-        line = json.loads(last.removeprefix("XSCALE_SUMMARY "))
-        record = json.loads(Path(line["summary_file"]).read_text())
-        assert tuple(record)[:len(SUMMARY_FIELDS)] == SUMMARY_FIELDS, (trainer, list(record))
-        # In the run's output directory (GPT-neo's: --output-path/MODEL_NAME, Trainer's).
-        assert Path(line["summary_file"]).is_relative_to((root / trainer).resolve()), line
-        assert line == {name: value for name, value in record.items()
-                        if name not in FILE_ONLY}, (trainer, line)
-        for field, kind in TYPES.items():
-            kinds = kind if isinstance(kind, tuple) else (kind,)
-            value = record[field]
-            assert (value is None and None in kinds) or isinstance(
-                value, tuple(k for k in kinds if k is not None)), (trainer, field, value)
-        assert (record["trainer"], record["steps"], record["stopped_early"]) == (trainer, 3, False)
-        assert Path(record["checkpoint"]).exists(), (trainer, record["checkpoint"])
-        # The last step's save, at least, and what it held training up.
-        assert record["checkpoints_saved"] >= 1 and record["checkpoint_stall_s"] >= 0, record
-        assert (record["tokens_per_s"] is not None) == (trainer == "gpt_neo_imdb"), trainer
-        assert record["global_batch_size"] == record["batch_size"] * record["accumulation"]
-        check_startup(trainer, record["startup"])
-        # One rank is its own median: the slowest, at 1.0x (None: no interval after the warm-up).
-        straggler = record["straggler"]
-        assert straggler is None or (straggler["rank"], straggler["factor"]) == (0, 1.0), \
-            (trainer, straggler)
+    args = [arg.replace("{name}", trainer) for arg in commands[trainer]]
+    # As run.sh would leave it (no srun here: the launch and run.sh phases stay unknown).
+    env["XSCALE_T_EXEC"] = repr(time.time())
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("XSCALE_SUMMARY "), last  # the last line, always
+    line = json.loads(last.removeprefix("XSCALE_SUMMARY "))
+    record = json.loads(Path(line["summary_file"]).read_text())
+    assert tuple(record)[:len(SUMMARY_FIELDS)] == SUMMARY_FIELDS, list(record)
+    # In the run's output directory (GPT-neo's: --output-path/MODEL_NAME, Trainer's).
+    assert Path(line["summary_file"]).is_relative_to((output_root / trainer).resolve()), line
+    assert line == {name: value for name, value in record.items() if name not in FILE_ONLY}
+    for field, kind in TYPES.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        value = record[field]
+        assert (value is None and None in kinds) or isinstance(
+            value, tuple(k for k in kinds if k is not None)), (field, value)
+    assert (record["trainer"], record["steps"], record["stopped_early"]) == (trainer, 3, False)
+    assert Path(record["checkpoint"]).exists(), record["checkpoint"]
+    # The last step's save, at least; what it held training up is part of the run's time.
+    assert record["checkpoints_saved"] >= 1, record
+    assert 0 <= record["checkpoint_stall_s"] <= record["seconds"], record
+    assert (record["tokens_per_s"] is not None) == (trainer == "gpt_neo_imdb")
+    assert record["global_batch_size"] == record["batch_size"] * record["accumulation"]
+    check_startup(trainer, record["startup"])
+    # One rank is its own median: the slowest, at 1.0x (None: no interval after the warm-up).
+    straggler = record["straggler"]
+    assert straggler is None or (straggler["rank"], straggler["factor"]) == (0, 1.0), straggler
 
 
 def check_startup(trainer: str, phases: dict) -> None:

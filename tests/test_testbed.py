@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import CLUSTER_DIR, CLUSTER_STATE, NODES, REPO
-from tests.helpers import rank_records
+from tests.helpers import rank_records, wait_for
 
 IMAGE = "xscale-test.sif"  # ignored by the shim: the host root plays the image
 ALLREDUCE = "tests/programs/allreduce.py"
@@ -33,14 +33,6 @@ def checks(output: str) -> list[dict]:
 def sinfo_state(node: str) -> str:
     return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.strip()
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    """Poll a real condition (bounded): never a fixed sleep."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_ranks_on_two_nodes_see_two_separate_machines(cluster):
