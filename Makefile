@@ -14,7 +14,7 @@ PYTHON_SCRIPTS = $(shell git ls-files 'runscripts/*' 'jobs/*' 'tests/*' | grep -
                   while read -r f; do head -c 100 "$$f" | grep -qE '^\#!.*python' && echo "$$f"; done)
 
 .PHONY: help setup system-packages venv test lint unit demo bench gpu-check sif cluster-up \
-        cluster-down clean
+        cluster-down settings-doc clean
 
 help:
 	@echo "make demo          set up, start the virtual cluster, train MNIST on 2 nodes x 2 ranks"
@@ -23,6 +23,7 @@ help:
 	@echo "make gpu-check     prove this node's GPUs: every trainer, the doctor, a profile,"
 	@echo "                   throughput and MFU (one line and exit 0 without a GPU)"
 	@echo "make sif           build the container image (needs singularity or apptainer)"
+	@echo "make settings-doc  write docs/SETTINGS.md from the table in python/xscale/settings.py"
 	@echo "make setup | lint | unit | cluster-up | cluster-down | clean"
 
 setup: system-packages venv
@@ -78,6 +79,12 @@ gpu-check: setup
 # in one line when neither is there.
 sif:
 	@bash containers/build.sh
+
+# docs/SETTINGS.md is printed from the settings table; tests/test_settings.py fails until it is
+# regenerated after a change. Written whole or not at all (a failed run leaves the old page).
+settings-doc: venv
+	$(PY) -m xscale settings --markdown > docs/SETTINGS.md.new
+	mv docs/SETTINGS.md.new docs/SETTINGS.md
 
 clean:
 	rm -rf $(BUILD) .pytest_cache .ruff_cache

@@ -18,7 +18,6 @@ import argparse
 import math
 import os
 import threading
-import time
 from pathlib import Path
 
 # Compute nodes have no internet, and a thousand ranks asking the Hub at once would be throttled
@@ -31,6 +30,7 @@ import huggingface_hub  # noqa: E402
 import torch  # noqa: E402
 import tqdm  # noqa: E402
 import transformers  # noqa: E402
+import xscale  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -38,9 +38,7 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerBase,
     TrainingArguments,
 )
-from xscale import checkpoint, hf, lifecycle, runtime, stragglers  # noqa: E402
-from xscale.dist import read_placement, timeout_from_env  # noqa: E402
-from xscale.lifecycle import UserError  # noqa: E402
+from xscale import UserError, hf  # noqa: E402
 
 TRAINER = "gpt_neo_imdb"
 PROG = "gpt_neo_imdb.py"
@@ -96,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(default %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=2e-5,
                         help="AdamW learning rate (default %(default)s)")
-    parser.add_argument("--save-steps", type=checkpoint.every_argument, default=100,
+    parser.add_argument("--save-steps", type=xscale.checkpoint_interval, default=100,
                         metavar="N|auto",
                         help="checkpoint every N steps, keeping the last 4; auto: Young's "
                              "interval from the first save's cost and the job's size "
@@ -199,10 +197,9 @@ def tokenize(
     return parts["train"], parts["test"], encoded(splits["test"])
 
 
-def training_arguments(args: argparse.Namespace, output_dir: str, world_size: int,
-                       device: torch.device, backend: str,
-                       resume_from: str | None = None) -> TrainingArguments:
-    on_gpu = device.type != "cpu"
+def training_arguments(args: argparse.Namespace, output_dir: str) -> TrainingArguments:
+    ddp = hf.ddp_arguments()  # use_cpu, ddp_backend, ddp_timeout: xscale's choices
+    on_gpu = not ddp["use_cpu"]
     return TrainingArguments(
         output_dir=output_dir,
         max_steps=args.max_steps,
@@ -212,7 +209,8 @@ def training_arguments(args: argparse.Namespace, output_dir: str, world_size: in
         learning_rate=args.learning_rate,
         weight_decay=0.01,
         save_strategy="steps",
-        save_steps=hf.initial_save_steps(args.save_steps, args.max_steps, resume_from),
+        # auto: XscaleTrainer decides (checkpoint_every), from the run's first timed save
+        save_steps=args.max_steps if args.save_steps == "auto" else args.save_steps,
         save_total_limit=4,
         eval_strategy="steps",
         eval_steps=args.eval_steps,
@@ -224,15 +222,10 @@ def training_arguments(args: argparse.Namespace, output_dir: str, world_size: in
         # Workers start with 'spawn' (see __main__) and re-import this file: keep them alive.
         dataloader_persistent_workers=args.num_workers > 0,
         dataloader_pin_memory=on_gpu,
-        bf16=on_gpu and torch.get_device_module(device).is_bf16_supported(),
-        use_cpu=not on_gpu,
-        # xscale's backend for the device (nccl is RCCL on ROCm; xccl on Intel GPUs; gloo on
-        # CPUs), or XSCALE_BACKEND. Only with several ranks: a backend without RANK/WORLD_SIZE
-        # would make accelerate expect a process group that is not there.
-        ddp_backend=backend if world_size > 1 else None,
+        bf16=on_gpu and torch.get_device_module(
+            torch.accelerator.current_accelerator()).is_bf16_supported(),
         ddp_find_unused_parameters=False,  # every GPT-neo weight gets a gradient each step
-        # A lost rank fails the job after XSCALE_TIMEOUT_S instead of holding every node.
-        ddp_timeout=int(timeout_from_env().total_seconds()),
+        **ddp,
     )
 
 
@@ -247,28 +240,16 @@ def sample_reviews(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, c
 
 
 def train(args: argparse.Namespace) -> int:
-    started = time.perf_counter()
-    # Now, not at the first step: Slurm's SIGUSR1 while the model loads would otherwise kill us.
-    lifecycle.install_stop_handlers()
-    lifecycle.shield_resource_tracker()  # before anything starts it unshielded
-    placement = read_placement()  # the launcher's variables, checked
-    node_mtbf_h = checkpoint.node_mtbf_hours()  # for --save-steps auto; checked before the model
-    device, backend = hf.device_and_backend(placement)
-    if placement.rank != 0:  # one set of progress bars per job, not one per rank
+    # Now, not once the Trainer exists: Slurm's SIGUSR1 while the model loads would end us.
+    xscale.catch_stop_signals()
+    if os.environ.get("RANK", "0") != "0":  # one set of progress bars per job, not per rank
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
     model_path = resolve_model(args.pretrained_model)
     splits = load_reviews(args.dataset)
     output_dir = os.path.join(args.output_path, args.model_name)
     logging_dir = os.path.join(args.logging_path, args.model_name)
-    resume_from = hf.newest_checkpoint(output_dir) if args.resume is not False else None
-    # Creating the arguments joins the process group (accelerate, from the torchrun variables).
-    training_args = training_arguments(args, output_dir, placement.world_size, device, backend,
-                                       resume_from)
-    # One process joins no group: no backend to report.
-    ctx = hf.context(placement, training_args.device,
-                     backend if placement.world_size > 1 else None)
-    profile = hf.ProfileSteps(ctx.rank, ctx.device)
+    training_args = training_arguments(args, output_dir)  # joins the process group
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.pad_token = tokenizer.eos_token  # GPT-neo has no pad token
@@ -276,20 +257,6 @@ def train(args: argparse.Namespace) -> int:
     model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
     train_set, validation_set, test_set = tokenize(splits, tokenizer, args.max_length,
                                                    args.num_workers)
-    if ctx.is_main:
-        print(f"Model {model_path}: {model.num_parameters():,} parameters; "
-              f"{len(train_set):,} training sequences of up to {args.max_length} tokens",
-              flush=True)
-
-    if ctx.is_main and args.resume and resume_from is None:
-        print(f"No checkpoint in {output_dir} yet: starting from {model_path}", flush=True)
-
-    # Every rank's own work per step, compared on rank 0 at each stop vote (xscale.stragglers).
-    watch = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size)
-    record = hf.RunRecord(ctx.device, ctx.is_main)
-    auto = (hf.AutoSaveSteps(record, ctx.is_main, ctx.nnodes, node_mtbf_h)
-            if args.save_steps == "auto" else None)
-    stop = hf.StopOnSignal(watch=watch, auto=auto)
     trainer = hf.XscaleTrainer(
         model=model,
         args=training_args,
@@ -297,13 +264,23 @@ def train(args: argparse.Namespace) -> int:
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         train_dataset=train_set,
         eval_dataset=validation_set,
-        callbacks=[record, stop, profile, hf.tensorboard(logging_dir)],
+        callbacks=[hf.tensorboard(logging_dir)],
+        resume=args.resume is not False,
+        checkpoint_every="auto" if args.save_steps == "auto" else None,
+        report_at_end=False,  # the summary carries the perplexities below
+        name=TRAINER,
     )
-    trainer.train(resume_from_checkpoint=resume_from)
-    saved = hf.checkpoint_written(output_dir, record)
+    is_main = trainer.is_world_process_zero()
+    if is_main:
+        print(f"Model {model_path}: {model.num_parameters():,} parameters; "
+              f"{len(train_set):,} training sequences of up to {args.max_length} tokens",
+              flush=True)
+        if args.resume and trainer.resume_from is None:
+            print(f"No checkpoint in {output_dir} yet: starting from {model_path}", flush=True)
+    trainer.train()
 
     results: dict[str, float] = {}
-    if stop.stopped_at is None:  # after a signal the time left is for the checkpoint only
+    if not trainer.stopped:  # after a signal the time left is for the checkpoint only
         # By name, not as evaluate(test_set): with persistent workers Trainer reuses the data
         # loader of an unnamed eval set, and would report the validation loss as the test loss.
         trainer.eval_dataset = {"validation": validation_set, "test": test_set}
@@ -313,16 +290,12 @@ def train(args: argparse.Namespace) -> int:
             "perplexity": math.exp(losses["eval_validation_loss"]),
             "test_perplexity": math.exp(losses["eval_test_loss"]),
         }
-        if ctx.is_main:
+        if is_main:
             print(f"Perplexity on validation: {results['perplexity']:.2f}")
             print(f"Perplexity on test: {results['test_perplexity']:.2f}")
             if args.sample_reviews:
                 sample_reviews(trainer.model, tokenizer, args.sample_reviews)
-    elif ctx.is_main:
-        print(runtime.stop_message(PROG, stop.stopped_at, saved), flush=True)
-
-    hf.write_summary(ctx, trainer.model, TRAINER, started, training_args, record, stop, saved,
-                     **results)
+    trainer.report(**results)
     return 0
 
 
@@ -339,4 +312,4 @@ if __name__ == "__main__":
     # tracker reports as "leaked" on every rank once xscale's shutdown leaves through os._exit.
     # Only this process draws bars (workers and map() processes do not): a thread lock will do.
     tqdm.tqdm.set_lock(threading.RLock())
-    lifecycle.main_entry(main, prog=PROG)
+    xscale.run_and_exit(main, prog=PROG)

@@ -19,10 +19,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+import xscale
 from torch.nn.parallel import DistributedDataParallel
-from xscale import checkpoint, data, lifecycle, runtime, vision
-from xscale.dist import DistContext
-from xscale.runtime import Loop
+from xscale import vision
 
 TRAINER = "imagenet"
 PROG = "imagenet.py"
@@ -50,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def train(args: argparse.Namespace, ctx: DistContext) -> int:
+def train(args: argparse.Namespace, ctx: xscale.Context) -> int:
     root = vision.resolve_data(args, ctx)
     train_set, val_set, classes = vision.datasets_for(root, args.image_size)
     batch_size = vision.per_rank(args.batch_size, ctx.local_world_size, "--batch-size")
@@ -68,31 +67,21 @@ def train(args: argparse.Namespace, ctx: DistContext) -> int:
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
     torch.manual_seed(args.seed + ctx.rank)  # each rank its own augmentation stream
-    resumed = checkpoint.resume_training(args.output_dir, model, optimizer, scaler,
-                                         rank=ctx.rank, enabled=args.resume)
-    sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
-    loader = data.make_loader(train_set, sampler, batch_size=batch_size, workers=workers,
-                              device=ctx.device, drop_last=True)
-    per_epoch = data.steps_per_epoch(sampler, batch_size, args.grad_accum_steps)
-    val_loader = None if val_set is None else data.make_loader(
-        val_set, data.ShardSampler(val_set, ctx.world_size, ctx.rank), batch_size=batch_size,
-        workers=min(workers, 2), device=ctx.device)
-    loop = Loop.from_args(
-        ctx, TRAINER, PROG, args, resumed=resumed, per_epoch=per_epoch, batch_size=batch_size,
-        save=checkpoint.training_saver(args.output_dir, model, optimizer, scaler,
-                                       is_main=ctx.is_main, keep=args.keep_checkpoints,
-                                       arch=args.arch),
-        model=model, warmup_steps=None)
-    loop.log.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes, "
-                     f"{len(train_set)} training images); {ctx.world_size} ranks on "
-                     f"{ctx.nnodes} nodes, {ctx.device.type}, {ctx.backend}; {batch_size} images "
-                     f"per rank, {workers} workers per rank")
-    if resumed is not None:
-        loop.log.message(f"{PROG}: resuming from step {resumed} in {args.output_dir}")
+    loader = xscale.loader(train_set, ctx, batch_size=batch_size, workers=workers,
+                           seed=args.seed)
+    val_loader = None if val_set is None else xscale.eval_loader(
+        val_set, ctx, batch_size=batch_size, workers=min(workers, 2))
+    loop = xscale.Loop.from_args(ctx, loader, args, model=model, optimizer=optimizer,
+                                 scaler=scaler, checkpoint_fields={"arch": args.arch},
+                                 warmup_steps=None, name=TRAINER)
+    loop.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes, "
+                 f"{len(train_set)} training images); {ctx.world_size} ranks on "
+                 f"{ctx.nnodes} nodes, {ctx.device.type}, {ctx.backend}; {batch_size} images "
+                 f"per rank, {workers} workers per rank")
 
     results: dict[str, float] = {}
     model.train()
-    for epoch, (images, labels) in loop.batches(loader, sampler, args.epochs):
+    for epoch, (images, labels) in loop.batches():
         for group in optimizer.param_groups:
             group["lr"] = vision.step_lr(args.lr, epoch)
         images = images.to(ctx.device, non_blocking=True, memory_format=memory_format)
@@ -108,13 +97,13 @@ def train(args: argparse.Namespace, ctx: DistContext) -> int:
         loop.record(loss, len(labels))
         if loop.epoch_ended and val_loader is not None:
             results = vision.evaluate_classifier(model, val_loader, ctx.device, amp())
-            loop.log.message(f"{PROG}: epoch {epoch} accuracy {results['accuracy']:.4f}")
-            loop.log.scalar("val/accuracy", results["accuracy"], loop.step)
+            loop.message(f"{PROG}: epoch {epoch} accuracy {results['accuracy']:.4f}")
+            loop.scalar("val/accuracy", results["accuracy"])
     loop.finish()
 
     if not loop.stopped and val_loader is not None:  # after a stop: time for the checkpoint
         results = vision.evaluate_classifier(model, val_loader, ctx.device, amp())
-    loop.report(model, accuracy=results.get("accuracy"), val_loss=results.get("loss"),
+    loop.report(accuracy=results.get("accuracy"), val_loss=results.get("loss"),
                 val_samples=results.get("samples"), epoch=loop.epoch, arch=args.arch,
                 image_size=args.image_size, amp=args.amp)
     return 0
@@ -123,12 +112,10 @@ def train(args: argparse.Namespace, ctx: DistContext) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     vision.check_data(args)  # before joining the group: a bad path trains nothing
-    ctx = runtime.start(PROG, backend=args.dist_backend, init_method=args.dist_url,
-                        rank=args.rank, world_size=args.world_size, gpu=args.gpu)
-    if args.output_dir and ctx.is_main:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
+    ctx = xscale.start(backend=args.dist_backend, init_method=args.dist_url, rank=args.rank,
+                       world_size=args.world_size, gpu=args.gpu)
     return train(args, ctx)
 
 
 if __name__ == "__main__":
-    lifecycle.main_entry(main, prog=PROG)
+    xscale.run_and_exit(main, prog=PROG)

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from xscale import data, ds, lifecycle, runtime, vision
-from xscale.dist import DistContext
-from xscale.runtime import Loop
+import xscale
+from xscale import ds, vision
 
 TRAINER = "imagenet_deepspeed"
 PROG = "imagenet_deepspeed.py"
@@ -53,16 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def evaluate(engine: torch.nn.Module, val_set: torch.utils.data.Dataset, ctx: DistContext,
+def evaluate(engine: torch.nn.Module, val_set: torch.utils.data.Dataset, ctx: xscale.Context,
              batch_size: int, dtype: torch.dtype) -> dict[str, float]:
     """Top-1 accuracy and loss over every rank's shard (images in the engine's precision)."""
-    loader = data.make_loader(val_set, data.ShardSampler(val_set, ctx.world_size, ctx.rank),
-                              batch_size=batch_size, workers=0, device=ctx.device)
+    loader = xscale.eval_loader(val_set, ctx, batch_size=batch_size)
     batches = ((images.to(dtype), labels) for images, labels in loader)
     return vision.evaluate_classifier(engine, batches, ctx.device)
 
 
-def train(args: argparse.Namespace, ctx: DistContext, config: dict) -> int:
+def train(args: argparse.Namespace, ctx: xscale.Context, config: dict) -> int:
     import deepspeed  # slow to import; after the cheap checks
 
     root = vision.resolve_data(args, ctx)
@@ -81,24 +79,18 @@ def train(args: argparse.Namespace, ctx: DistContext, config: dict) -> int:
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
     torch.manual_seed(args.seed + ctx.rank)  # each rank its own augmentation stream
-    resumed = ds.resume(engine, args.output_dir, ctx.rank, enabled=args.resume)
-    sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
-    loader = data.make_loader(train_set, sampler, batch_size=batch_size, workers=args.workers,
-                              device=ctx.device, drop_last=True)
-    per_epoch = data.steps_per_epoch(sampler, batch_size, accumulation)
-    loop = Loop.from_args(
-        ctx, TRAINER, PROG, args, resumed=resumed, per_epoch=per_epoch, batch_size=batch_size,
-        accumulation=accumulation, save=ds.saver(engine, args.output_dir, args.keep_checkpoints),
-        model=engine, warmup_steps=None)
-    loop.log.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes); "
-                     f"{ctx.world_size} ranks, {ctx.device.type}, {ctx.backend}; ZeRO stage "
-                     f"{engine.zero_optimization_stage()}, {dtype}; {batch_size} images per rank, "
-                     f"{config['train_batch_size']} per step")
-    if resumed is not None:
-        loop.log.message(f"{PROG}: resuming from step {resumed} in {args.output_dir}")
+    loader = xscale.loader(train_set, ctx, batch_size=batch_size, workers=args.workers,
+                           seed=args.seed)
+    # The engine is the model: the loop saves and resumes through DeepSpeed's checkpoints.
+    loop = xscale.Loop.from_args(ctx, loader, args, model=engine, accumulation=accumulation,
+                                 warmup_steps=None, name=TRAINER)
+    loop.message(f"{PROG}: {args.arch} on {root or 'random images'} ({classes} classes); "
+                 f"{ctx.world_size} ranks, {ctx.device.type}, {ctx.backend}; ZeRO stage "
+                 f"{engine.zero_optimization_stage()}, {dtype}; {batch_size} images per rank, "
+                 f"{config['train_batch_size']} per step")
 
     engine.train()
-    for _, (images, labels) in loop.batches(loader, sampler, args.epochs):
+    for _, (images, labels) in loop.batches():
         images = images.to(ctx.device, dtype=dtype, non_blocking=True,
                            memory_format=memory_format)
         labels = labels.to(ctx.device, non_blocking=True)
@@ -111,7 +103,7 @@ def train(args: argparse.Namespace, ctx: DistContext, config: dict) -> int:
     results = {}
     if not loop.stopped and val_set is not None:  # after a stop: time for the checkpoint
         results = evaluate(engine, val_set, ctx, batch_size, dtype)
-    loop.report(engine, accuracy=results.get("accuracy"), val_loss=results.get("loss"),
+    loop.report(accuracy=results.get("accuracy"), val_loss=results.get("loss"),
                 val_samples=results.get("samples"), epoch=loop.epoch, arch=args.arch,
                 image_size=args.image_size, zero_stage=engine.zero_optimization_stage(),
                 dtype=str(dtype).removeprefix("torch."))
@@ -127,18 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     vision.check_data(args)  # before joining the group: a bad path trains nothing
     if args.local_rank is not None and not os.environ.get("LOCAL_RANK"):
         os.environ["LOCAL_RANK"] = str(args.local_rank)
-    ctx = runtime.start(PROG, backend=args.dist_backend, init_method=args.dist_url,
-                        rank=args.rank, world_size=args.world_size, gpu=args.gpu)
+    ctx = xscale.start(backend=args.dist_backend, init_method=args.dist_url, rank=args.rank,
+                       world_size=args.world_size, gpu=args.gpu)
     # DeepSpeed reads the torch names itself; a single process or a --dist-url launch has none.
     for name, value in (("RANK", ctx.rank), ("WORLD_SIZE", ctx.world_size),
                         ("LOCAL_RANK", ctx.local_rank), ("LOCAL_WORLD_SIZE", ctx.local_world_size)):
         os.environ.setdefault(name, str(value))
     if not ctx.is_main:  # one copy of DeepSpeed's INFO lines, not one per rank
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    if args.output_dir and ctx.is_main:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
     return train(args, ctx, config)
 
 
 if __name__ == "__main__":
-    lifecycle.main_entry(main, prog=PROG)
+    xscale.run_and_exit(main, prog=PROG)

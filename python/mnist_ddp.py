@@ -21,14 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import xscale
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
-from xscale import checkpoint, data, lifecycle, runtime, vision
-from xscale.dist import DistContext
-from xscale.lifecycle import UserError
-from xscale.runlog import unwrap
-from xscale.runtime import Loop
+from xscale import UserError, vision
 
 TRAINER = "mnist_ddp"
 PROG = "mnist_ddp.py"
@@ -61,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "XSCALE_CHECKPOINT_WRITERS=all) go here; a run resumes from the newest")
     parser.add_argument("--no-resume", dest="resume", action="store_false",
                         help="start from scratch even if --output-dir has checkpoints")
-    parser.add_argument("--checkpoint-every", type=checkpoint.every_argument, default=0,
+    parser.add_argument("--checkpoint-every", type=xscale.checkpoint_interval, default=0,
                         metavar="N", help="also save every N steps (0: only at the end and on a "
                         "stop signal; auto: Young's interval from the first save's cost)")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
@@ -170,11 +167,11 @@ class Net(nn.Module):
 def save_model(model: nn.Module, modelpath: Path, device: torch.device) -> Path:
     """mnist_DDP.py's output: the state_dict as MODELPATH/model_gpu.dat (or model_cpu.dat)."""
     path = modelpath / f"model_{'cpu' if device.type == 'cpu' else 'gpu'}.dat"
-    checkpoint.atomic_save(unwrap(model).state_dict(), path)
+    xscale.atomic_save(getattr(model, "module", model).state_dict(), path)  # DDP's inner one
     return path
 
 
-def train(args: argparse.Namespace, ctx: DistContext, folder: Path) -> int:
+def train(args: argparse.Namespace, ctx: xscale.Context, folder: Path) -> int:
     torch.manual_seed(args.seed)  # identical initial weights everywhere (DDP broadcasts anyway)
     train_set, test_set = MnistTensors(folder, "train"), MnistTensors(folder, "test")
     model = Net().to(ctx.device)
@@ -184,26 +181,16 @@ def train(args: argparse.Namespace, ctx: DistContext, folder: Path) -> int:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     torch.manual_seed(args.seed + ctx.rank)  # each rank its own stream from here on
-    resumed = checkpoint.resume_training(args.output_dir, model, optimizer, rank=ctx.rank,
-                                         enabled=args.resume)
-    sampler = data.ResumableSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)
-    loader = data.make_loader(train_set, sampler, batch_size=args.batch_size,
-                              workers=args.workers, device=ctx.device, drop_last=True)
-    per_epoch = data.steps_per_epoch(sampler, args.batch_size, args.grad_accum_steps)
-    loop = Loop.from_args(
-        ctx, TRAINER, PROG, args, resumed=resumed, per_epoch=per_epoch,
-        batch_size=args.batch_size,
-        save=checkpoint.training_saver(args.output_dir, model, optimizer, is_main=ctx.is_main,
-                                       keep=args.keep_checkpoints),
-        model=model)
-    if resumed is not None:
-        loop.log.message(f"{PROG}: resuming from step {resumed} in {args.output_dir}")
-    loop.log.message(f"{PROG}: {ctx.world_size} ranks on {ctx.nnodes} nodes, {ctx.device.type}, "
-                     f"{ctx.backend}; {args.batch_size} images per rank, {per_epoch} steps per "
-                     "epoch")
+    loader = xscale.loader(train_set, ctx, batch_size=args.batch_size, workers=args.workers,
+                           seed=args.seed)
+    loop = xscale.Loop.from_args(ctx, loader, args, model=model, optimizer=optimizer,
+                                 name=TRAINER)  # resumes from the newest checkpoint
+    loop.message(f"{PROG}: {ctx.world_size} ranks on {ctx.nnodes} nodes, {ctx.device.type}, "
+                 f"{ctx.backend}; {args.batch_size} images per rank, {loop.per_epoch} steps per "
+                 "epoch")
 
     model.train()
-    for _, (images, labels) in loop.batches(loader, sampler, args.epochs):
+    for _, (images, labels) in loop.batches():
         images = images.to(ctx.device, non_blocking=True)
         labels = labels.to(ctx.device, non_blocking=True)
         with loop.sync_gradients(model):
@@ -217,27 +204,23 @@ def train(args: argparse.Namespace, ctx: DistContext, folder: Path) -> int:
 
     results: dict[str, float] = {}
     if not loop.stopped:  # after a stop signal the time left is for the checkpoint only
-        test_loader = data.make_loader(
-            test_set, data.ShardSampler(test_set, ctx.world_size, ctx.rank), batch_size=256,
-            workers=0, device=ctx.device)
+        test_loader = xscale.eval_loader(test_set, ctx, batch_size=256)
         evaluation = vision.evaluate_classifier(model, test_loader, ctx.device)
         results = {"accuracy": evaluation["accuracy"], "test_loss": evaluation["loss"],
                    "test_samples": evaluation["samples"]}
         if ctx.is_main and args.modelpath:
             print(f"{PROG}: model saved as {save_model(model, args.modelpath, ctx.device)}",
                   flush=True)
-    loop.report(model, epoch=loop.epoch, **results)
+    loop.report(epoch=loop.epoch, **results)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     folder = find_idx_dir(args.data)  # before joining the group: a bad path trains nothing
-    ctx = runtime.start(PROG, require_gpu=args.gpu)
-    if args.output_dir and ctx.is_main:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
+    ctx = xscale.start(require_gpu=args.gpu)
     return train(args, ctx, folder)
 
 
 if __name__ == "__main__":
-    lifecycle.main_entry(main, prog=PROG)
+    xscale.run_and_exit(main, prog=PROG)

@@ -130,13 +130,13 @@ def test_auto_takes_youngs_interval_from_the_save_cost_and_the_jobs_failure_rate
 
 @pytest.mark.parametrize("text, expected", [("auto", "auto"), ("0", 0), ("250", 250)])
 def test_checkpoint_every_is_a_whole_number_or_auto(text, expected):
-    assert checkpoint.every_argument(text) == expected
+    assert checkpoint.checkpoint_interval(text) == expected
 
 
 @pytest.mark.parametrize("text", ["-1", "1.5", "often", ""])
 def test_checkpoint_every_rejects_anything_else(text):
     with pytest.raises(argparse.ArgumentTypeError, match="neither a whole number nor auto"):
-        checkpoint.every_argument(text)
+        checkpoint.checkpoint_interval(text)
 
 
 def test_checkpoint_settings_are_checked():

@@ -182,7 +182,7 @@ def test_single_process_needs_no_master_addr(tmp_path):
 def test_missing_master_addr_is_a_user_error(tmp_path):
     script = tmp_path / "p.py"
     script.write_text("from xscale import lifecycle\nfrom xscale.dist import init_distributed\n"
-                      "lifecycle.main_entry(init_distributed, prog='p.py')\n")
+                      "lifecycle.run_and_exit(init_distributed, prog='p.py')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env={**env, "RANK": "0", "WORLD_SIZE": "2"}, timeout=60)

@@ -11,20 +11,19 @@ import sys
 from pathlib import Path
 
 # A trainer's life in one process: its group, a collective, then a timeout-like failure. The
-# Hugging Face path registers the record as it builds its context (xscale.hf.context).
+# Hugging Face path registers the record as XscaleTrainer builds its context (hf._context).
 TRAINER = """
 import sys, torch, torch.distributed as dist
 from xscale import hf, lifecycle
-from xscale.dist import read_placement
 
 def main():
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
                             world_size=1)
-    hf.context(read_placement(), torch.device("cpu"), "gloo")
+    hf._context(torch.device("cpu"))
     dist.all_reduce(torch.ones(2))
     raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
 
-lifecycle.main_entry(main, prog="trainer")
+lifecycle.run_and_exit(main, prog="trainer")
 """
 
 

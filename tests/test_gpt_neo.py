@@ -175,6 +175,16 @@ def test_newest_checkpoint_passes_over_a_save_that_was_cut_off(tmp_path: Path):
     assert newest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-20")
 
 
+def cpu_tally(is_main: bool = True, nodes: int = 2):
+    """The tally of rank 0 (or 1) of a CPU run on NODES nodes, one rank each."""
+    import torch
+    from xscale import dist, runtime
+
+    rank = 0 if is_main else 1
+    return runtime.RunTally(dist.DistContext(rank, nodes, 0, 1, rank, nodes,
+                                             torch.device("cpu"), "gloo"))
+
+
 def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_end(
         monkeypatch: pytest.MonkeyPatch):
     from transformers import TrainerControl, TrainerState
@@ -182,7 +192,7 @@ def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_en
 
     votes = []
     monkeypatch.setattr(hf.runtime, "vote", lambda **_: (votes.append(1) or True, {}))
-    callback = hf.StopOnSignal(every=5)
+    callback = hf._StopOnSignal(cpu_tally(), every=5)
     control = callback.on_step_end(None, TrainerState(global_step=7, max_steps=100),
                                    TrainerControl())
     assert votes == [] and not control.should_training_stop  # no vote between the 5s
@@ -193,7 +203,7 @@ def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_en
     # No signal anywhere: the last step is saved (the runtime's cadence), training goes on to
     # its natural end.
     monkeypatch.setattr(hf.runtime, "vote", lambda **_: (False, {}))
-    callback = hf.StopOnSignal(every=5)
+    callback = hf._StopOnSignal(cpu_tally(), every=5)
     control = callback.on_step_end(None, TrainerState(global_step=100, max_steps=100),
                                    TrainerControl())
     assert control.should_save and not control.should_training_stop
@@ -203,14 +213,14 @@ def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_en
 def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_every_rank(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """Steps 1..30 of a run at 0.25 s a step, votes every 10: the first vote after a timed step
-    asks Trainer for a save; once RunRecord has timed it, the next vote carries rank 0's Young
+    asks Trainer for a save; once the tally has timed it, the next vote carries rank 0's Young
     interval to every rank, which sets Trainer's save_steps there."""
-    import torch
     from transformers import TrainerControl, TrainerState
-    from xscale import hf
+    from xscale import hf, runtime
 
     now = [0.0]
-    monkeypatch.setattr(hf.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(runtime.time, "perf_counter", lambda: now[0])
+    monkeypatch.setenv("XSCALE_NODE_MTBF_H", "100")
     proposals = []
 
     def vote(watch=None, **proposal):  # the all-reduce's sum: rank 0's 1200, the others' 0
@@ -220,15 +230,17 @@ def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_ev
     monkeypatch.setattr(hf.runtime, "vote", vote)
     for is_main in (True, False):
         proposals.clear()
-        record = hf.RunRecord(torch.device("cpu"), is_main=False)
-        auto = hf.AutoSaveSteps(record, is_main=is_main, nodes=4, node_mtbf_h=100.0)
-        callback = hf.StopOnSignal(every=10, auto=auto)
+        tally = cpu_tally(is_main, nodes=4)
+        auto = hf._AutoSaveSteps(tally)
+        callback = hf._StopOnSignal(tally, every=10, auto=auto)
         state, asked = TrainerState(max_steps=30, save_steps=30), []
         for step in range(1, 31):
             state.global_step, now[0] = step, step * 0.25
+            if step == 1:
+                tally.first_step(step)  # the record's first step: the warm-up, not timed
             if callback.on_step_end(None, state, TrainerControl()).should_save:
                 asked.append(step)
-                record.saves, record.last_stall_s = record.saves + 1, 0.5  # Trainer's save
+                tally.saved(step, 0.5)  # Trainer's save, timed by the record
         assert asked == [10, 30]  # the timed save, and the last step's
         # Young: sqrt(2 x 0.5 s x 100 h / 4 nodes) = 300 s, at 0.25 s a step 1200 steps.
         assert proposals == [{}, {"every": 1200.0 if is_main else 0.0}, {}], proposals
@@ -244,13 +256,13 @@ def test_trainers_checkpoint_stall_is_the_save_alone_not_an_evaluation_due_at_it
     """Trainer logs and evaluates before it saves at the same step (the last step always
     evaluates): the stall is timed from the last of them, as the summary's
     checkpoint_stall_s promises."""
-    import torch
     from transformers import TrainerState, TrainingArguments
     from xscale import hf
 
     now = [0.0]
     monkeypatch.setattr(hf.time, "perf_counter", lambda: now[0])
-    record = hf.RunRecord(torch.device("cpu"))
+    tally = cpu_tally()
+    record = hf._RunRecord(tally)
     args = TrainingArguments(output_dir="unused", per_device_train_batch_size=1, use_cpu=True,
                              report_to=[])
     state = TrainerState(global_step=1, max_steps=10)
@@ -260,20 +272,19 @@ def test_trainers_checkpoint_stall_is_the_save_alone_not_an_evaluation_due_at_it
     for event, seconds in (("on_log", 0.5), ("on_evaluate", 3.0), ("on_save", 0.25)):
         now[0] += seconds
         getattr(record, event)(args, state, None, logs={})
-    assert (record.last_stall_s, record.stall_s, record.saves) == (0.25, 0.25, 1)
+    assert (tally.last_stall_s, tally.stall_s, tally.saves) == (0.25, 0.25, 1)
 
 
 def test_save_steps_auto_starts_from_the_interval_its_checkpoint_was_saved_with(tmp_path: Path):
     """Trainer restores save_steps from the checkpoint's trainer_state.json (and warns when the
     arguments differ): a resumed auto run starts with that interval until it decides anew."""
-    from xscale.hf import initial_save_steps
+    from xscale.hf import _initial_save_steps
 
     saved = tmp_path / "checkpoint-25"
     saved.mkdir()
     (saved / "trainer_state.json").write_text('{"global_step": 25, "save_steps": 70}')
-    assert initial_save_steps("auto", 1000, str(saved)) == 70
-    assert initial_save_steps("auto", 1000, None) == 1000  # none but the last step's
-    assert initial_save_steps(40, 1000, str(saved)) == 40  # a number is the user's
+    assert _initial_save_steps(1000, str(saved)) == 70
+    assert _initial_save_steps(1000, None) == 1000  # none but the last step's
 
 
 WORKSHOP_SCRIPT = "tests/programs/workshop_gpt_neo.py"

@@ -45,7 +45,7 @@ def test_user_error_in_a_real_process_has_no_traceback(tmp_path):
         "from xscale import lifecycle\n"
         "from xscale.lifecycle import UserError\n"
         "def main():\n    raise UserError('bad value')\n"
-        "lifecycle.main_entry(main, prog='prog.py')\n")
+        "lifecycle.run_and_exit(main, prog='prog.py')\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2

@@ -1,15 +1,27 @@
 """Scripts of a user's own, not xscale's trainers, through run.sh and the step supervisor on the
-virtual cluster: what they get without a line of xscale in them, and the mistakes carried over
-from the job scripts they come with (a stale WORLD_SIZE) stopped before any rank waits."""
+virtual cluster: what they get without a line of xscale in them, what the lines
+docs/YOUR-SCRIPT.md shows add (a stop at Slurm's warning with a checkpoint, the requeue and the
+resume, the straggler line, the summary, the goodput ledger), and the mistakes carried over from
+the job scripts they come with (a stale WORLD_SIZE) stopped before any rank waits."""
 
 from __future__ import annotations
 
+import ast
+import difflib
+import json
 import re
+import subprocess
 from pathlib import Path
 
-from tests.helpers import tagged_records
+import pytest
+
+from tests.conftest import REPO
+from tests.helpers import tagged_records, wait_for
+from tests.test_gpt_neo import tiny  # noqa: F401 (a fixture: the tiny GPT-neo and its data)
 
 OWN_DDP = "tests/programs/own_ddp.py"
+WORKSHOP = "tests/programs/workshop_gpt_neo.py"
+YOUR_SCRIPT = REPO / "docs" / "YOUR-SCRIPT.md"
 JOB = "tests/programs/own-script-job.sh"
 IMAGE = "xscale-test.sif"  # ignored by the shim: the host root plays the image
 
@@ -71,3 +83,126 @@ def test_stale_rank_variables_stop_every_rank_before_it_waits(cluster):
     assert len(errors) == 3, rank.stderr
     assert all(re.search(r"RANK=0 was set before run.sh, but slurm says [123] \(SLURM_PROCID\)",
                          line) for line in errors), errors
+
+
+# ---- the same scripts with xscale's lines ------------------------------------------------------
+
+def with_xscale(script: str) -> str:
+    return script.replace(".py", "_xscale.py")
+
+
+def code_lines(script: str) -> list[str]:
+    """The script's lines after its module docstring (which says what the script is for)."""
+    text = (REPO / script).read_text()
+    body = ast.parse(text).body
+    return text.splitlines()[body[0].end_lineno:]
+
+
+def documented_diff(kind: str) -> list[str]:
+    """The ```diff block under docs/YOUR-SCRIPT.md's heading that names KIND."""
+    text = YOUR_SCRIPT.read_text()
+    section = text[text.index(f"## {kind}"):]
+    block = re.search(r"```diff\n(.*?)```", section, re.S)
+    assert block, f"no diff block under '## {kind}' in {YOUR_SCRIPT}"
+    return block.group(1).splitlines()
+
+
+def changed_lines(before: list[str], after: list[str]) -> list[str]:
+    """The lines taken out and put in, as a unified diff marks them, in order."""
+    return [line for line in difflib.unified_diff(before, after, lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
+@pytest.mark.parametrize(("kind", "script"), [("A plain PyTorch loop", OWN_DDP),
+                                              ("Hugging Face's Trainer", WORKSHOP)])
+def test_the_documented_lines_are_the_whole_difference(kind: str, script: str):
+    """docs/YOUR-SCRIPT.md shows what a script gains xscale by; the test scripts with and
+    without xscale differ by exactly those lines, no more (the doc does not hide a line a
+    script needs) and no fewer."""
+    documented = [line for line in documented_diff(kind) if line[:1] in "+-"]
+    assert changed_lines(code_lines(script), code_lines(with_xscale(script))) == documented
+
+
+def requeue_after_the_warning(cluster, job_id: str, output: Path, ready: str) -> str:
+    """Once READY is in the job's output: Slurm's time-limit warning as `--signal=B:USR1` sends
+    it, to the batch shell, which hands it to the step; wait for the job to requeue itself,
+    heal the slowed node, release the job (Slurm holds a requeued job back for a while:
+    tests/test_failures.py), and wait for its end."""
+    try:
+        wait_for(lambda: output.exists() and ready in output.read_text(), 240, repr(ready))
+    except AssertionError:
+        raise AssertionError(output.read_text()[-4000:]) from None
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+    wait_for(lambda: cluster.job_state(job_id)[0] == "PENDING", 120, "the requeue")
+    cluster.fault("heal", "nid002")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], check=True,
+                   timeout=30)
+    return cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 300)
+
+
+def check_stopped_and_resumed(text: str, out: Path, steps: int, straggler: str) -> None:
+    """What the lines bought: the first run stopped at the warning with a checkpoint, the
+    requeued one resumed at that step and finished; the slowed rank was named; the summary
+    file holds the last run; the goodput ledger counted the training."""
+    first, second = tagged_records(text, "XSCALE_SUMMARY")
+    assert (first["stopped_early"], first["signal"]) == (True, "SIGUSR1"), first
+    assert first["checkpoint"] and 0 < first["steps"] < steps, first
+    assert (second["start_step"], second["steps"]) == (first["steps"], steps), second
+    assert second["stopped_early"] is False
+    assert re.search(rf"xscale: straggler: rank {straggler}: [\d.]+x the median", text), \
+        text[-3000:]
+    assert json.loads((out / "xscale-summary.json").read_text())["steps"] == steps
+    ledger = tagged_records(text, "XSCALE_GOODPUT")[-1]
+    assert 0 < ledger["goodput"] < 1 and ledger["training_s"] > 0, ledger
+    assert "requeueing job" in text and "xscale: the step failed" not in text
+
+
+# Three ranks on two nodes (two on nid001, one on nid002): a slowed nid002 leaves a healthy
+# majority, whose median names its rank (xscale.stragglers). Two intervals together, not three:
+# the test waits for the line before it sends the warning.
+THREE_RANKS = ("--nodelist=nid[001-002]", "--ntasks=3")
+STRAGGLER_ENV = {"XSCALE_STRAGGLER_INTERVALS": "2", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def slowed_nid002(cluster):
+    """nid002's processes stopped 90% of the time until the job requeues (or the test ends)."""
+    cluster.fault("slow", "nid002", "90")
+    yield
+    cluster.fault("heal", "nid002")
+
+
+def test_a_plain_ddp_script_with_xscales_lines_stops_resumes_and_names_a_straggler(
+        cluster, slowed_nid002, tmp_path: Path):
+    out, output = tmp_path / "out", tmp_path / "job.out"
+    steps = 40 * (1024 // 3 // 32)  # 40 epochs of 10 steps per rank
+    job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "40", "--output-dir", str(out),
+                            output=output, sbatch_options=THREE_RANKS,
+                            env={"OUTPUT_DIR": str(out), **STRAGGLER_ENV})
+    try:
+        state = requeue_after_the_warning(cluster, job_id, output, "xscale: straggler:")
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    assert state == "COMPLETED", text[-3000:]
+    check_stopped_and_resumed(text, out, steps, "2 on nid002")
+
+
+def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler(
+        cluster, slowed_nid002, tiny, tmp_path: Path):  # noqa: F811
+    model, data = tiny
+    out, output = tmp_path / "out", tmp_path / "job.out"
+    steps = 200
+    job_id = cluster.submit(
+        JOB, with_xscale(WORKSHOP), "--model-name", "tiny", "--output-path", str(out),
+        "--logging-path", str(tmp_path / "logs"), "--num-workers", "1",
+        "--pretrained-model", str(model), "--dataset", str(data), "--max-steps", str(steps),
+        output=output, sbatch_options=THREE_RANKS,
+        env={"OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1", **STRAGGLER_ENV})
+    try:
+        state = requeue_after_the_warning(cluster, job_id, output, "xscale: straggler:")
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    assert state == "COMPLETED", text[-3000:]
+    check_stopped_and_resumed(text, out / "tiny", steps, "2 on nid002")

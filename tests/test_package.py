@@ -4,10 +4,13 @@ gives `import xscale` and the `xscale` command, as a user of their own training 
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO, VENV_BIN
 
@@ -49,4 +52,61 @@ def test_pip_install_from_the_checkout_gives_the_package_and_its_command(tmp_pat
 def test_the_command_names_an_unknown_subcommand_in_one_line():
     proc = run(VENV_BIN / "xscale", "reprot")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == "xscale: error: no command 'reprot' (one of: report, goodput-model)\n"
+    assert proc.stderr == ("xscale: error: no command 'reprot' "
+                           "(one of: report, goodput-model, settings)\n")
+
+
+PUBLIC_MODULES = ("hf", "ds", "vision")
+TRAINERS = sorted((REPO / "python").glob("*.py"))
+
+
+def xscale_names_used(path: Path) -> set[str]:
+    """Every `xscale.NAME`, `from xscale import NAME` and `from xscale.MODULE import NAME` in
+    PATH, plus MODULE.NAME for the public modules it imports ("hf.XscaleTrainer")."""
+    tree = ast.parse(path.read_text())
+    modules = {"xscale"}
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "xscale":
+            used |= {alias.name for alias in node.names}
+            modules |= {alias.name for alias in node.names if alias.name in PUBLIC_MODULES}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("xscale."):
+            used |= {f"{node.module[7:]}.{alias.name}" for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in modules:
+            prefix = "" if node.value.id == "xscale" else f"{node.value.id}."
+            used.add(prefix + node.attr)
+    return used
+
+
+@pytest.mark.parametrize("path", TRAINERS, ids=lambda path: path.name)
+def test_the_trainers_use_only_the_public_api(path: Path):
+    """The four trainers are the examples of the API: what they use of xscale is public,
+    documented and in xscale.__all__ or a public module, with no leading underscore."""
+    import importlib
+
+    import xscale
+
+    used = xscale_names_used(path)
+    assert used, f"{path.name} uses nothing of xscale"
+    for name in sorted(used):
+        if name in PUBLIC_MODULES:  # `from xscale import hf`
+            assert importlib.import_module(f"xscale.{name}").__doc__, name
+            continue
+        module, _, attribute = name.rpartition(".")
+        owner = importlib.import_module(f"xscale.{module}") if module else xscale
+        assert module in PUBLIC_MODULES or name in xscale.__all__, \
+            f"{path.name} uses xscale.{name}, which is not public"
+        assert not attribute.startswith("_"), name
+        assert getattr(owner, attribute).__doc__, f"xscale.{name} has no docstring"
+
+
+def test_every_public_name_has_a_docstring_and_importing_xscale_loads_none_of_them():
+    code = ("import sys, xscale; loaded = [m for m in sys.modules if m.startswith('xscale.')]; "
+            "print(loaded); assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, capture_output=True)
+    import xscale
+
+    for name in xscale.__all__:
+        assert getattr(xscale, name).__doc__, f"xscale.{name} has no docstring"

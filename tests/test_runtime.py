@@ -85,11 +85,13 @@ def test_two_ranks_reduce_sums_not_averages_and_agree(tmp_path):
         assert record["rng_states"] == 2
 
 
-def loop_for_test(save, sync_every: int, accumulation: int = 1) -> runtime.Loop:
+def loop_for_test(save, log_every: int, accumulation: int = 1) -> runtime.Loop:
+    """A Loop over 400 samples in batches of 2, its checkpoints by `save(step, epoch)`."""
     ctx = dist.DistContext(0, 1, 0, 1, 0, 1, torch.device("cpu"), "gloo")
-    return runtime.Loop(ctx, "t", "t.py", start_step=0, end_step=None, per_epoch=1000,
-                        sync_every=sync_every, save=save, checkpoint_every=4,
-                        accumulation=accumulation, batch_size=2)
+    dataset = torch.utils.data.TensorDataset(torch.zeros(400, 1))
+    return runtime.Loop(ctx, data.loader(dataset, ctx, batch_size=2),
+                        model=torch.nn.Linear(1, 1), log_every=log_every, checkpoint_every=4,
+                        accumulation=accumulation, save=save)
 
 
 def test_the_stop_is_voted_every_n_steps_then_saved_once(stop_handlers, capsys):
@@ -98,17 +100,14 @@ def test_the_stop_is_voted_every_n_steps_then_saved_once(stop_handlers, capsys):
     once."""
     saved = []
     loop = loop_for_test(lambda step, epoch: saved.append(step) or f"ckpt-{step}", 5)
-    dataset = torch.utils.data.TensorDataset(torch.zeros(400, 1))
-    sampler = data.ResumableSampler(dataset, num_replicas=1, rank=0)
-    loader = data.make_loader(dataset, sampler, batch_size=2, workers=0,
-                              device=torch.device("cpu"))
-    for _ in loop.batches(loader, sampler):
+    for _ in loop.batches():
         loop.record(torch.tensor(1.0), 2)
         if loop.step == 6:
             lifecycle.request_stop()
     loop.finish()
     assert (loop.stopped, loop.step, saved) == (True, 10, [4, 8, 10])
-    assert "t.py: stopped by SIGUSR1 at step 10; checkpoint ckpt-10" in capsys.readouterr().out
+    assert f"{loop.prog}: stopped by SIGUSR1 at step 10; checkpoint ckpt-10" in \
+        capsys.readouterr().out
 
 
 def test_with_accumulation_a_step_is_n_micro_batches(stop_handlers):

@@ -41,17 +41,18 @@ def test_moments_come_from_run_sh_and_the_batch_script(monkeypatch):
 # What a plain trainer imports (mnist_ddp.py), then its first call.
 IMPORTS_PROBE = """
 import json, os, sys, torch
-from xscale import checkpoint, data, lifecycle, runtime, startup, vision
+import xscale
+from xscale import UserError, startup, vision
 heavy = [name for name in ("torchvision", "torch.distributed.checkpoint") if name in sys.modules]
 before = startup.moments({})["imports"]
-runtime.start("probe.py")
+xscale.start()
 print(json.dumps({"heavy": heavy, "before": before, "after": startup.moments({})["imports"]}))
 """
 
 
 def test_importing_xscale_does_no_work_and_the_first_call_marks_the_imports():
     """No moment is marked, and neither torchvision nor torch.distributed.checkpoint is imported,
-    by the modules a trainer imports: the `imports` phase ends at runtime.start(), so it holds
+    by the modules a trainer imports: the `imports` phase ends at xscale.start(), so it holds
     xscale's own imports too, and mnist_ddp.py pays for no module it does not use."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run([sys.executable, "-c", IMPORTS_PROBE], capture_output=True, text=True,

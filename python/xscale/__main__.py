@@ -4,8 +4,12 @@
     xscale report JOB_OUTPUT|SUMMARY.json [--png]   a run's readable summary (xscale.report)
     xscale goodput-model [--nodes N ...]            requeue against spares over a long campaign
                                                     (xscale.goodput_model, docs/GOODPUT.md)
+    xscale settings [--markdown]                    every XSCALE_* setting, its default and
+                                                    what it does (xscale.settings,
+                                                    docs/SETTINGS.md)
 
-The older spellings, `python -m xscale.report` and `python -m xscale.goodput_model`, still work.
+The older spellings, `python -m xscale.report` and `python -m xscale.goodput_model`, still work,
+as does `python -m xscale.settings`.
 Each command's module is imported only when it is chosen: `xscale --help` needs no torch.
 """
 
@@ -19,6 +23,8 @@ COMMANDS = {
     "report": ("xscale.report", "a run's readable summary: its job output or xscale-summary.json"),
     "goodput-model": ("xscale.goodput_model",
                       "requeue against spares over a month of training (docs/GOODPUT.md)"),
+    "settings": ("xscale.settings",
+                 "every XSCALE_* setting: its default and what it does (docs/SETTINGS.md)"),
 }
 
 

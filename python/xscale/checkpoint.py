@@ -39,50 +39,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xscale import dcp_checkpoint
+from xscale import dcp_checkpoint, settings
 from xscale.lifecycle import UserError
 from xscale.runlog import unwrap
 
 PATTERN = re.compile(r"^ckpt-(\d+)\.(pt|dcp)$")
 TEMP_PREFIX = ".ckpt-"
 PARTIAL_SUFFIX = ".partial"  # an every-rank checkpoint's directory until it is published
-MODES = ("async", "sync")
-WRITERS = ("rank0", "all")
-# A node's mean time between failures: Meta's Llama 3 pretraining saw 419 unexpected
-# interruptions in 54 days on 2,048 nodes of 8 GPUs ("The Llama 3 Herd of Models",
-# arXiv:2407.21783, section 3.3.4). docs/GOODPUT.md uses the same figure.
-NODE_MTBF_H = 54 * 24 * 2048 / 419
+NODE_MTBF_H = settings.NODE_MTBF_H  # XSCALE_NODE_MTBF_H's default: Llama 3's figure
 
 
 def checkpoint_mode(env: Mapping[str, str] = os.environ) -> str:
-    mode = env.get("XSCALE_CHECKPOINT_MODE", "async")
-    if mode not in MODES:
-        raise UserError(f"XSCALE_CHECKPOINT_MODE='{mode}' is neither async nor sync")
-    return mode
+    """XSCALE_CHECKPOINT_MODE: async (the default) or sync; anything else is a UserError."""
+    return settings.value("XSCALE_CHECKPOINT_MODE", env)
 
 
 def checkpoint_writers(env: Mapping[str, str] = os.environ) -> str:
-    writers = env.get("XSCALE_CHECKPOINT_WRITERS", "rank0")
-    if writers not in WRITERS:
-        raise UserError(f"XSCALE_CHECKPOINT_WRITERS='{writers}' is neither rank0 nor all")
-    return writers
+    """XSCALE_CHECKPOINT_WRITERS: rank0 (the default) or all; anything else is a UserError."""
+    return settings.value("XSCALE_CHECKPOINT_WRITERS", env)
 
 
 def node_mtbf_hours(env: Mapping[str, str] = os.environ) -> float:
-    text = env.get("XSCALE_NODE_MTBF_H")
-    if text is None:
-        return NODE_MTBF_H
-    try:
-        hours = float(text)
-    except ValueError:
-        hours = -1.0
-    if not math.isfinite(hours) or hours <= 0:
-        raise UserError(f"XSCALE_NODE_MTBF_H='{text}' is not a positive number of hours")
-    return hours
+    """XSCALE_NODE_MTBF_H, a positive number of hours (default NODE_MTBF_H), for `auto`."""
+    return settings.value("XSCALE_NODE_MTBF_H", env)
 
 
-def every_argument(text: str) -> int | str:
-    """--checkpoint-every: a whole number of steps (0: only at the end), or `auto`."""
+def checkpoint_interval(text: str) -> int | str:
+    """An argparse `type` for a checkpoint interval such as --checkpoint-every: a whole number
+    of steps (0: only at the end and at a stop), or `auto` (Young's interval from the cost of
+    the run's first save, docs/CHECKPOINTS.md)."""
     if text == "auto":
         return text
     if not text.isdigit():

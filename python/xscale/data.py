@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from xscale.dist import DistContext
 from xscale.lifecycle import UserError, worker_context
 
 
@@ -52,18 +53,37 @@ class ShardSampler(Sampler[int]):
 
 
 def make_loader(dataset: Dataset, sampler: Sampler, *, batch_size: int, workers: int,
-                device: torch.device, drop_last: bool = False) -> DataLoader:
+                device: torch.device, drop_last: bool = False, **extra: Any) -> DataLoader:
     """A DataLoader tuned for training from files: pinned memory on GPUs (asynchronous copies),
     persistent workers (no re-spawn each epoch), started out of reach of Slurm's warning signal
     (xscale.lifecycle.worker_context: spawned on GPUs, forked on the CPU)."""
     on_gpu = device.type != "cpu"
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(extra)
     if workers > 0:
         options["persistent_workers"] = True
         options["prefetch_factor"] = 4
         options["multiprocessing_context"] = worker_context(spawn=on_gpu)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                       pin_memory=on_gpu, drop_last=drop_last, **options)
+
+
+def loader(dataset: Dataset, ctx: DistContext, *, batch_size: int, workers: int = 0,
+           shuffle: bool = True, seed: int = 0, **options: Any) -> DataLoader:
+    """A training DataLoader over this rank's share of `dataset` for xscale.Loop: every rank the
+    same number of batches, an epoch that resumes mid-way, workers that Slurm's warning does
+    not kill, pinned memory on GPUs (make_loader). `options`: DataLoader's others (collate_fn,
+    ...)."""
+    sampler = ResumableSampler(dataset, ctx.world_size, ctx.rank, shuffle=shuffle, seed=seed)
+    return make_loader(dataset, sampler, batch_size=batch_size, workers=workers,
+                       device=ctx.device, drop_last=True, **options)
+
+
+def eval_loader(dataset: Dataset, ctx: DistContext, *, batch_size: int, workers: int = 0,
+                **options: Any) -> DataLoader:
+    """An evaluation DataLoader: each sample on exactly one rank, none repeated, so counts and
+    sums over the ranks are the data set's (ShardSampler)."""
+    return make_loader(dataset, ShardSampler(dataset, ctx.world_size, ctx.rank),
+                       batch_size=batch_size, workers=workers, device=ctx.device, **options)
 
 
 def steps_per_epoch(sampler: ResumableSampler, batch_size: int, accumulation: int = 1) -> int:

@@ -16,9 +16,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from xscale import settings
 from xscale.lifecycle import UserError
 
-DEFAULT_TIMEOUT_S = 600
+DEFAULT_TIMEOUT_S = settings.setting("XSCALE_TIMEOUT_S").default
 
 
 @dataclass(frozen=True)
@@ -124,13 +125,7 @@ def read_placement(
 
 def timeout_from_env(environ: Mapping[str, str] | None = None) -> timedelta:
     """XSCALE_TIMEOUT_S: how long a collective may wait before the job fails instead of hangs."""
-    env = os.environ if environ is None else environ
-    seconds = _env_int(env, "XSCALE_TIMEOUT_S")
-    if seconds is None:
-        seconds = DEFAULT_TIMEOUT_S
-    if seconds <= 0:
-        raise UserError(f"XSCALE_TIMEOUT_S={seconds} must be a positive number of seconds")
-    return timedelta(seconds=seconds)
+    return timedelta(seconds=settings.value("XSCALE_TIMEOUT_S", environ))
 
 
 @dataclass(frozen=True)
@@ -220,9 +215,8 @@ def choose_backend(requested: str | None, device: torch.device, accel: Accelerat
                    environ: Mapping[str, str] | None = None) -> str:
     """The command line's backend, else XSCALE_BACKEND, else the device's: nccl on CUDA/ROCm,
     xccl (or ccl) on XPU, gloo on the CPU. A backend the device cannot use is a UserError."""
-    env = os.environ if environ is None else environ
     accel = probe_accelerator() if accel is None else accel
-    named = (requested or env.get("XSCALE_BACKEND") or "").strip().lower()
+    named = (requested or settings.value("XSCALE_BACKEND", environ)).strip().lower()
     backend = named or _default_backend(device.type, accel)
     if backend not in KNOWN_BACKENDS:
         raise UserError(f"backend '{backend}' is not one of {', '.join(KNOWN_BACKENDS)}")

@@ -23,6 +23,7 @@ TAG = re.compile(r"^global_step(\d+)$")
 
 
 def load_config(path: Path) -> dict[str, Any]:
+    """The DeepSpeed JSON config at PATH; a missing or malformed file is a UserError."""
     if not path.is_file():
         raise UserError(f"--deepspeed_config '{path}': no such file")
     try:
@@ -61,6 +62,7 @@ def batch_sizes(config: dict[str, Any], world_size: int, per_rank: int | None) -
 
 
 def set_learning_rate(config: dict[str, Any], lr: float | None) -> dict[str, Any]:
+    """The config with its optimizer's learning rate set to LR (None: as it is)."""
     if lr is None:
         return config
     config = dict(config)
@@ -71,10 +73,12 @@ def set_learning_rate(config: dict[str, Any], lr: float | None) -> dict[str, Any
 
 
 def tag(step: int) -> str:
+    """The checkpoint tag of STEP: DeepSpeed's own naming, global_stepN."""
     return f"global_step{step}"
 
 
 def saved_steps(output_dir: Path) -> list[int]:
+    """The steps of the checkpoints in OUTPUT_DIR, oldest first."""
     if not output_dir.is_dir():
         return []
     return sorted(int(m.group(1)) for p in output_dir.iterdir()
@@ -125,8 +129,8 @@ def resume(engine: Any, output_dir: Path | None, rank: int, enabled: bool = True
 
 
 def saver(engine: Any, output_dir: Path | None, keep: int) -> Callable[[int, int], Path] | None:
-    """save(step, epoch) for xscale.runtime.Loop (every rank writes its shard); None without an
-    output directory."""
+    """save(step, epoch) for xscale.Loop (every rank writes its shard); None without an output
+    directory. xscale.Loop makes it itself when its model is an engine."""
     if output_dir is None:
         return None
     return lambda step, epoch: save(engine, output_dir, step, epoch, keep)

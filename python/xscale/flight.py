@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from xscale import settings
+
 DIR_ENV = "XSCALE_FR_DIR"
 HOLD_S = 30.0  # the supervisor needs a few seconds: the records to settle, py-spy to attach
 RELEASED = "released"
@@ -40,7 +42,7 @@ POLL_S = 0.2
 def record_failure(error: BaseException) -> None:
     """Write this rank's flight record into XSCALE_FR_DIR and wait for the supervisor's release.
     Nothing without XSCALE_FR_DIR (no supervisor watches) or a process group."""
-    directory = os.environ.get(DIR_ENV)
+    directory = settings.value(DIR_ENV)
     if not directory or not dist.is_initialized():
         return
     try:

@@ -1,9 +1,11 @@
-"""xscale's runtime inside Hugging Face's Trainer: its device and backend, the stop vote, shielded
-DataLoader workers, and the one XSCALE_SUMMARY.
+"""xscale's runtime inside Hugging Face's Trainer: one subclass, XscaleTrainer, in place of
+Trainer (docs/YOUR-SCRIPT.md).
 
 Trainer runs its own loop (DDP from the torchrun variables run.sh exports, the
-DistributedSampler, rank-0-only tqdm and checkpoints); XscaleTrainer and the callbacks here only
-connect it to what every xscale trainer reports and how every xscale trainer stops.
+DistributedSampler, rank-0-only tqdm and checkpoints); XscaleTrainer adds, through callbacks
+of its own, what every xscale loop does: the stop vote at Slurm's warning with a checkpoint and
+the resume from the newest whole one, shielded DataLoader workers, the straggler line, the
+progress notes (xscale.runtime.RunTally), the profiling window and the one XSCALE_SUMMARY.
 """
 
 from __future__ import annotations
@@ -16,61 +18,136 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import checkpoint, flight, lifecycle, profiling, progress, runtime, startup, stragglers
+from xscale import flight, lifecycle, profiling, runtime, startup, stragglers
 from xscale.dist import (
     DistContext,
-    Placement,
     choose_backend,
     choose_device,
     probe_accelerator,
+    read_placement,
+    timeout_from_env,
 )
 from xscale.throughput import Throughput
 
 TRAINER_STATE = "trainer_state.json"
 
 
-def device_and_backend(placement: Placement) -> tuple[torch.device, str]:
-    """xscale's choice for Trainer (device from torch.accelerator, backend from the device,
-    XSCALE_BACKEND winning), made before Trainer joins the group so a mistake is one line. The
-    start-up's `imports` moment: the trainer's libraries are imported by now."""
+def ddp_arguments() -> dict[str, Any]:
+    """xscale's choices as TrainingArguments' keywords: use_cpu (this rank has no GPU; the GPU
+    is torch.accelerator's, by local rank), ddp_backend (the device's: nccl is RCCL on ROCm,
+    xccl on Intel GPUs, gloo on CPUs; XSCALE_BACKEND wins; none for one process, which joins no
+    group) and ddp_timeout (XSCALE_TIMEOUT_S: a lost rank fails the job instead of holding every
+    node). Call it before TrainingArguments, which joins the process group: a mistake is one
+    line. It also marks the start-up's `imports` moment: the script's libraries are imported."""
     startup.mark("imports")
+    placement = read_placement()
     accel = probe_accelerator()
     device = choose_device(placement.local_rank, accel=accel)
-    return device, choose_backend(None, device, accel)
-
-
-def context(placement: Placement, device: torch.device, backend: str | None) -> DistContext:
-    """This rank's context, once Trainer's arguments have joined the group (accelerate does, as
-    TrainingArguments is built): the start-up's `group` moment (xscale.startup). From here a
-    failed collective leaves its flight record, as in xscale.runtime.start."""
-    startup.mark("group")
-    lifecycle.on_failure(flight.record_failure)
-    return DistContext.at(placement, device, backend)
+    backend = choose_backend(None, device, accel)
+    return {"use_cpu": device.type == "cpu",
+            "ddp_backend": backend if placement.world_size > 1 else None,
+            "ddp_timeout": int(timeout_from_env().total_seconds())}
 
 
 class XscaleTrainer(Trainer):
-    """Trainer whose DataLoader workers start out of reach of Slurm's warning signal, and which
-    resumes on CPU ranks too.
+    """Hugging Face's Trainer with xscale's runtime; takes Trainer's arguments, and:
 
-    Trainer gives DataLoader a start-method name; a worker spawned from it dies of the SIGUSR1
-    that Slurm sends to every process of the step. The loaders Trainer builds get xscale's
-    shielded context instead (xscale.lifecycle.worker_context), before their workers start.
+    resume: train() resumes from the newest whole checkpoint in args.output_dir (the attribute
+        `resume_from`; a save cut off by the time limit is passed over) unless given one;
+        False starts afresh.
+    checkpoint_every: "auto" sets save_steps from Young's interval, timed on the run's first
+        save (xscale.checkpoint); None keeps args.save_steps.
+    report_at_end: train() ends with the summary (XSCALE_SUMMARY and OUTPUT_DIR/
+        xscale-summary.json); False: the script calls report(**fields) itself, after its own
+        evaluation.
+    name: the run's name in the summary (default: the script's file name without .py).
+
+    At Slurm's warning (SIGUSR1) or SIGTERM every rank stops after the same step, with a
+    checkpoint, and the run exits 0; the requeued job resumes from it. The DataLoader workers
+    start out of reach of the warning (a worker spawned from Trainer's start-method name dies
+    of it), and a CPU rank resumes too.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, resume: bool = True, checkpoint_every: int | str | None = None,
+                 report_at_end: bool = True, name: str | None = None, **kwargs: Any) -> None:
+        lifecycle.install_stop_handlers()  # Slurm's warning while Trainer sets up: a stop
         super().__init__(*args, **kwargs)
         _load_cpu_ranks_on_the_cpu()
+        self.ctx = _context(self.args.device)
+        self.resume, self.report_at_end = resume, report_at_end
+        self.run_name = name or os.path.splitext(runtime.script_name())[0]
+        self.started = runtime.STARTED
+        self.resume_from = newest_checkpoint(self.args.output_dir) if resume else None
+        self.tally = runtime.RunTally(self.ctx)
+        self.record = _RunRecord(self.tally)
+        auto = None
+        if checkpoint_every == "auto":
+            self.args.save_steps = _initial_save_steps(self.args.max_steps, self.resume_from)
+            auto = _AutoSaveSteps(self.tally)
+        elif checkpoint_every is not None:
+            self.args.save_steps = int(checkpoint_every)
+        watch = stragglers.watch(self.model, self.ctx.device, self.ctx.rank, self.ctx.world_size)
+        self.stop = _StopOnSignal(self.tally, watch=watch, auto=auto)
+        for callback in (self.record, self.stop, _ProfileSteps(self.ctx.rank, self.ctx.device)):
+            self.add_callback(callback)
+        self.saved: str | None = None
 
     def get_train_dataloader(self) -> DataLoader:
-        return shield_workers(super().get_train_dataloader())
+        return _shield_workers(super().get_train_dataloader())
 
     def get_eval_dataloader(self, *args: Any, **kwargs: Any) -> DataLoader:
-        return shield_workers(super().get_eval_dataloader(*args, **kwargs))
+        return _shield_workers(super().get_eval_dataloader(*args, **kwargs))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """Trainer.train, from the newest whole checkpoint unless told otherwise; then the stop
+        line after a stop, and the summary unless report_at_end is False."""
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = self.resume_from
+        output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        self.saved = _checkpoint_written(self.args.output_dir, self.record)
+        if self.stopped and self.ctx.is_main:
+            print(runtime.stop_message(runtime.script_name(), self.stop.stopped_at, self.saved),
+                  flush=True)
+        if self.report_at_end:
+            self.report()
+        return output
+
+    @property
+    def stopped(self) -> bool:
+        """Whether training stopped at a stop signal (evaluation can wait for the next run)."""
+        return self.stop.stopped_at is not None
+
+    def report(self, **own: Any) -> None:
+        """XSCALE_RANK on every rank and XSCALE_SUMMARY on rank 0 for this train() call, with
+        the script's OWN fields after xscale's; the whole summary goes into the output
+        directory, beside the checkpoints. Every rank calls it."""
+        record, args = self.record, self.args
+        runtime.write_summary(
+            self.ctx, self.model, trainer=self.run_name, started=self.started,
+            start_step=record.start_step, steps=record.end_step, meter=record.throughput,
+            loss_first=record.losses[0] if record.losses else None,
+            loss_last=record.losses[-1] if record.losses else None,
+            stopped=self.stopped, checkpoint=self.saved,
+            batch_size=args.per_device_train_batch_size,
+            accumulation=args.gradient_accumulation_steps, counts_tokens=True,
+            stragglers=self.stop.watch, tally=self.tally, output_dir=args.output_dir, **own)
+
+
+def _context(device: torch.device) -> DistContext:
+    """This rank's context once Trainer's arguments have joined the group (accelerate does, as
+    TrainingArguments is built): the start-up's `group` moment (xscale.startup). From here a
+    failed collective leaves its flight record, as after xscale.start()."""
+    startup.mark("imports")  # for a script whose first xscale call this is
+    startup.mark("group")
+    lifecycle.on_failure(flight.record_failure)
+    backend = dist.get_backend() if dist.is_initialized() else None
+    return DistContext.at(read_placement(), device, backend)
 
 
 @functools.cache  # once per process
@@ -84,9 +161,10 @@ def _load_cpu_ranks_on_the_cpu() -> None:
         lambda storage, location: storage if location.startswith("cpu:") else None)
 
 
-def shield_workers(loader: DataLoader) -> DataLoader:
+def _shield_workers(loader: DataLoader) -> DataLoader:
     """Give `loader` (or the DataLoader inside accelerate's adapter, which iterates it) the
-    shielded context; a loader without workers has no use for one."""
+    shielded context (xscale.lifecycle.worker_context) before its workers start; a loader
+    without workers has no use for one."""
     inner = getattr(loader, "base_dataloader", loader)
     shielded = (lifecycle.ShieldedSpawnContext, lifecycle.ShieldedForkContext)
     if inner.num_workers > 0 and not isinstance(inner.multiprocessing_context, shielded):
@@ -95,55 +173,41 @@ def shield_workers(loader: DataLoader) -> DataLoader:
     return loader
 
 
-class AutoSaveSteps:
-    """--save-steps auto: Trainer's checkpoint cadence from Young's interval, as the runtime's
-    --checkpoint-every auto (xscale.checkpoint.auto_decision). Trainer saves after the step's
-    callbacks, so the first stop vote after a timed step asks for a save, and the next vote,
-    once RunRecord has timed that save, hands rank 0's interval to every rank in its
-    all-reduce."""
+class _AutoSaveSteps:
+    """checkpoint_every auto: Trainer's save_steps from Young's interval, as the runtime Loop's
+    (RunTally.auto_interval). Trainer saves after the step's callbacks, so the first stop vote
+    after a timed step asks for a save, and the next vote, once the save was timed, hands rank
+    0's interval to every rank in its all-reduce."""
 
-    def __init__(self, record: RunRecord, is_main: bool, nodes: int, node_mtbf_h: float) -> None:
-        self.record = record
-        self.is_main, self.nodes, self.node_mtbf_h = is_main, nodes, node_mtbf_h
-        self._first_end: tuple[int, float] | None = None  # this call's first step: warm-up
-        self._saves_before: int | None = None  # RunRecord's count when the save was asked for
+    def __init__(self, tally: runtime.RunTally) -> None:
+        self.tally = tally
+        self._saves_before: int | None = None  # the tally's count when the save was asked for
         self.step_s = 0.0
         self.every: int | None = None  # the decision, on every rank
 
     def at_vote(self, state: TrainerState, control: TrainerControl) -> dict[str, float]:
         """What this rank adds to the vote: rank 0's interval once its save was timed."""
-        if self.every is not None or self._first_end is None:
+        if self.every is not None:
             return {}
-        first_step, first_end = self._first_end
-        if self._saves_before is None and state.global_step > first_step:
-            self.step_s = (time.perf_counter() - first_end) / (state.global_step - first_step)
-            self._saves_before = self.record.saves
-            control.should_save = True
+        if self._saves_before is None:
+            step_s = self.tally.seconds_per_step(state.global_step)
+            if step_s is not None:
+                self.step_s, self._saves_before = step_s, self.tally.saves
+                control.should_save = True
             return {}
-        if self._saves_before is None or self.record.saves == self._saves_before:
+        if self.tally.saves == self._saves_before:
             return {}  # every rank saves at the same step: none has timed it yet
-        if not self.is_main:
-            return {"every": 0.0}
-        every, line = checkpoint.auto_decision("--save-steps", self.record.last_stall_s, 0.0,
-                                               self.step_s, self.nodes, self.node_mtbf_h)
-        print(line, flush=True)
-        return {"every": float(every)}
-
-    def step_ended(self, state: TrainerState) -> None:
-        if self._first_end is None:
-            self._first_end = (state.global_step, time.perf_counter())
+        return self.tally.auto_interval("--save-steps", self.step_s)
 
     def decided(self, state: TrainerState, shared: dict[str, float]) -> None:
         if "every" in shared:
             self.every = state.save_steps = int(shared["every"])
 
 
-def initial_save_steps(save_steps: int | str, max_steps: int, resume_from: str | None) -> int:
-    """Trainer's save_steps as training starts. With auto, until the timed save decides anew:
-    the interval the checkpoint resumed from was saved with (Trainer restores that one anyway,
-    and warns when the arguments differ), else none but the last step's."""
-    if save_steps != "auto":
-        return int(save_steps)
+def _initial_save_steps(max_steps: int, resume_from: str | None) -> int:
+    """Trainer's save_steps with auto, until the timed save decides anew: the interval the
+    checkpoint resumed from was saved with (Trainer restores that one anyway, and warns when the
+    arguments differ), else none but the last step's."""
     if resume_from is not None:
         with open(os.path.join(resume_from, TRAINER_STATE)) as handle:
             saved = json.load(handle).get("save_steps")
@@ -152,17 +216,17 @@ def initial_save_steps(save_steps: int | str, max_steps: int, resume_from: str |
     return max_steps
 
 
-class StopOnSignal(TrainerCallback):
+class _StopOnSignal(TrainerCallback):
     """The runtime's stop vote and checkpoint cadence on Trainer's steps. Every
     STOP_VOTE_EVERY steps and at the last, all ranks ask whether any received SIGUSR1/SIGTERM;
     if so, Trainer saves a checkpoint at the end of this step and ends training, and the run
-    exits 0. The last step is saved too, as in every xscale trainer (Trainer itself saves only
-    every save_steps). With `auto`, the same vote sets save_steps (AutoSaveSteps)."""
+    exits 0. The last step is saved too, as in every xscale loop (Trainer itself saves only
+    every save_steps). With auto, the same vote sets save_steps (_AutoSaveSteps)."""
 
-    def __init__(self, every: int = runtime.STOP_VOTE_EVERY,
+    def __init__(self, tally: runtime.RunTally, every: int = runtime.STOP_VOTE_EVERY,
                  watch: stragglers.StragglerWatch | None = None,
-                 auto: AutoSaveSteps | None = None) -> None:
-        self.every = every
+                 auto: _AutoSaveSteps | None = None) -> None:
+        self.tally, self.every = tally, every
         self.stopped_at: int | None = None
         self.watch = watch  # its vector travels in the vote (xscale.stragglers)
         self.auto = auto
@@ -174,13 +238,12 @@ class StopOnSignal(TrainerCallback):
             control.should_save = True
         if self.watch is not None:
             self.watch.step()
-        if self.auto is not None:
-            self.auto.step_ended(state)
         if last or state.global_step % self.every == 0:
             proposal = self.auto.at_vote(state, control) if self.auto is not None else {}
             stop, shared = runtime.vote(watch=self.watch, **proposal)
             if self.auto is not None:
                 self.auto.decided(state, shared)
+            self.tally.interval(state.global_step)
             if stop:
                 control.should_save = True
                 control.should_training_stop = True
@@ -188,9 +251,10 @@ class StopOnSignal(TrainerCallback):
         return control
 
 
-class RunRecord(TrainerCallback):
-    """What this `train()` call did: its first and last step, the losses it logged, and its
-    throughput through xscale.throughput (first step left out as warm-up).
+class _RunRecord(TrainerCallback):
+    """What this `train()` call did: its first and last step, the losses it logged, its
+    throughput through xscale.throughput (first step left out as warm-up), and its saves'
+    stalls in the tally.
 
     Trainer's log_history also holds the entries of the run a checkpoint came from, so the
     losses are collected from `on_log` of this call's steps. Trainer logs the mean loss over
@@ -199,16 +263,14 @@ class RunRecord(TrainerCallback):
     evaluations and checkpoints inside training, as the job's time does.
     """
 
-    def __init__(self, device: torch.device, is_main: bool = False) -> None:
+    def __init__(self, tally: runtime.RunTally) -> None:
+        self.tally = tally
         self.start_step = 0
         self.end_step = 0
         self.losses: list[float] = []
-        self.throughput = Throughput(device, warmup_steps=1)
-        self.progress = progress.Progress(is_main)  # for the step supervisor's goodput ledger
+        self.throughput = Throughput(tally.ctx.device, warmup_steps=1)
         self._tokens_seen = 0
         self._before_save = 0.0
-        self.stall_s, self.saves = 0.0, 0  # Trainer's saves: synchronous, on every rank
-        self.last_stall_s = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Called after Trainer restored the checkpoint's state: global_step is where we resume.
@@ -222,10 +284,7 @@ class RunRecord(TrainerCallback):
         samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
         self.throughput.step(samples, tokens / args.world_size)
         if self.end_step == self.start_step:  # this call's first step
-            runtime.first_step_done(self.throughput.device)
-            self.progress.note("first_step", state.global_step)
-        elif state.global_step % runtime.STOP_VOTE_EVERY == 0:
-            self.progress.note("interval", state.global_step)
+            self.tally.first_step(state.global_step)
         self.end_step = state.global_step
         self._before_save = time.perf_counter()
 
@@ -234,11 +293,8 @@ class RunRecord(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         # Trainer saves right after the step's end, its log and its evaluation, if due: the
-        # time since is how long the checkpoint held training up.
-        self.last_stall_s = time.perf_counter() - self._before_save
-        self.stall_s += self.last_stall_s
-        self.saves += 1
-        self.progress.note("checkpoint", state.global_step, stall_s=self.last_stall_s)
+        # time since is how long the checkpoint held training up (every rank saves with it).
+        self.tally.saved(state.global_step, time.perf_counter() - self._before_save)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -248,10 +304,10 @@ class RunRecord(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.throughput.stop()
         self.end_step = state.global_step
-        self.progress.note("end", state.global_step)
+        self.tally.end(state.global_step)
 
 
-class ProfileSteps(TrainerCallback):
+class _ProfileSteps(TrainerCallback):
     """xscale's profiling window (PROFILE_STEP_START, PROFILE_STEPS, from run-profile.sh) on
     Trainer's steps: the window is built before training, so a bad setting fails at once."""
 
@@ -265,24 +321,7 @@ class ProfileSteps(TrainerCallback):
         self.window.close()
 
 
-def write_summary(ctx: DistContext, model: torch.nn.Module, trainer: str, started: float,
-                  args: TrainingArguments, record: RunRecord, stop: StopOnSignal,
-                  checkpoint: str | None, **own: Any) -> None:
-    """xscale.runtime's XSCALE_RANK and XSCALE_SUMMARY lines for a Trainer run; the whole
-    summary goes into Trainer's output directory, beside its checkpoints."""
-    runtime.write_summary(
-        ctx, model, trainer=trainer, started=started, start_step=record.start_step,
-        steps=record.end_step, meter=record.throughput,
-        loss_first=record.losses[0] if record.losses else None,
-        loss_last=record.losses[-1] if record.losses else None,
-        stopped=stop.stopped_at is not None, checkpoint=checkpoint,
-        batch_size=args.per_device_train_batch_size,
-        accumulation=args.gradient_accumulation_steps, counts_tokens=True,
-        stragglers=stop.watch, checkpoint_stall_s=record.stall_s,
-        checkpoints_saved=record.saves, output_dir=args.output_dir, **own)
-
-
-def checkpoint_written(output_dir: str, record: RunRecord) -> str | None:
+def _checkpoint_written(output_dir: str, record: _RunRecord) -> str | None:
     """The checkpoint of the step this train() call ended at, if it wrote one."""
     path = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{record.end_step}")
     written = record.end_step > record.start_step and os.path.isfile(
@@ -291,7 +330,8 @@ def checkpoint_written(output_dir: str, record: RunRecord) -> str | None:
 
 
 def tensorboard(logging_dir: str) -> TensorBoardCallback:
-    """TensorBoard logging into `logging_dir` (rank 0 writes; the callback checks)."""
+    """A callback for TensorBoard logging into `logging_dir` (rank 0 writes), the same on
+    transformers 4.x and 5.x (5.0 removed TrainingArguments.logging_dir)."""
     return _TensorBoardInto(logging_dir)
 
 

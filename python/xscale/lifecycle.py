@@ -1,7 +1,8 @@
 """A trainer's life as a process: user errors, the stop signals, its children, and its exit.
 
-The bottom of the package: it imports nothing from xscale, so every other module can raise a
-UserError or ask whether a stop signal came.
+The bottom of the package: it imports nothing from xscale but xscale.settings (standard library
+only, where UserError lives), so every other module can raise a UserError or ask whether a stop
+signal came.
 
 - User errors. A traceback tells a user on rank 713 of a 1024-rank job nothing they can act on,
   and it is printed 1024 times; one line per rank, `PROG: error: ...`, exit status 2, is what
@@ -39,6 +40,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from xscale.settings import UserError
+
 USAGE_ERROR = 2  # argparse's and run.sh's exit status for a bad command line or setting
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 # Only the warning is kept from children: SIGTERM is how multiprocessing ends workers at exit.
@@ -46,10 +49,6 @@ CHILD_SHIELD = {signal.SIGUSR1}
 
 
 # ---- user errors ---------------------------------------------------------------------------
-
-
-class UserError(Exception):
-    """A wrong path, value or setting: reported as `PROG: error: MESSAGE`, exit status 2."""
 
 
 def error_line(prog: str, message: str) -> str:
@@ -96,9 +95,13 @@ def exit_status(code: object) -> int:
     return 1
 
 
-def main_entry(main: Callable[[], int | None], prog: str) -> NoReturn:
-    """A trainer's `if __name__ == "__main__":` line: run, report a UserError, exit cleanly."""
-    exit_cleanly(run(main, prog))
+def run_and_exit(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
+    """A script's `if __name__ == "__main__":` line: call `main()`; a UserError (a bad path, a
+    bad setting) becomes one line `PROG: error: ...` and exit status 2; then leave cleanly: the
+    other ranks waited for after success, the process group destroyed, DataLoader workers ended,
+    output flushed, and os._exit, before gloo's shutdown can abort the exit (status 134).
+    PROG: the script's file name unless given."""
+    exit_cleanly(run(main, prog or os.path.basename(sys.argv[0])))
 
 
 # ---- stop signals --------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from xscale import settings
 from xscale.lifecycle import UserError
 
 DEFAULT_START = 10
@@ -153,9 +154,9 @@ def window_from_env(rank: int, device: torch.device,
                     environ: Mapping[str, str] | None = None) -> ProfileWindow:
     """The window run.sh / run-profile.sh asked for on this rank (mode "off" if none)."""
     env = os.environ if environ is None else environ
-    if env.get("XSCALE_PROFILED") == "1":
+    if settings.value("XSCALE_PROFILED", env):
         mode = "external"  # a second profiler inside would fight the outer one for the GPU
-    elif env.get("XSCALE_TORCH_PROFILER") == "1":
+    elif settings.value("XSCALE_TORCH_PROFILER", env):
         mode = "torch"
     else:
         return ProfileWindow("off", rank, device)

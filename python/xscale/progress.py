@@ -18,15 +18,16 @@ rank 0) nothing is written.
 from __future__ import annotations
 
 import json
-import os
 import time
+
+from xscale import settings
 
 ENV = "XSCALE_PROGRESS"
 
 
 class Progress:
     def __init__(self, is_main: bool) -> None:
-        self.path = os.environ.get(ENV) if is_main else None
+        self.path = settings.value(ENV) if is_main else None
 
     def note(self, event: str, step: int, **fields: float) -> None:
         if self.path is None:

@@ -1,18 +1,20 @@
-"""The trainer runtime: what every trainer does around its own model, data and step.
+"""The training loop's runtime: what every training script does around its own model, data
+and step. Its public names are re-exported by `xscale` (docs/YOUR-SCRIPT.md):
 
-    ctx = runtime.start(PROG, require_gpu=args.gpu)        # signals, device, backend, group
-    loop = runtime.Loop.from_args(ctx, TRAINER, PROG, args, ...)   # from the resumed step
-    for epoch, batch in loop.batches(loader, sampler):      # micro-batches, until done or stopped
-        ... forward, backward, optimizer step when loop.boundary ...
+    ctx = xscale.start()                                    # signals, device, backend, group
+    loader = xscale.loader(dataset, ctx, batch_size=32)     # resumable, shielded workers
+    loop = xscale.Loop(ctx, loader, model=model, optimizer=optimizer, epochs=3,
+                       output_dir=out)                      # resumes from the newest checkpoint
+    for epoch, batch in loop.batches():                     # until the end or a stop
+        ... forward, backward, optimizer step ...
         loop.record(loss, samples)                          # rates, log, checkpoint, stop vote
     loop.finish()                                           # last checkpoint, stop message
-    loop.report(model, **own_fields)                        # XSCALE_RANK and XSCALE_SUMMARY
+    loop.report(**own_fields)                               # XSCALE_RANK and XSCALE_SUMMARY
 
-Hugging Face's Trainer runs its own loop; xscale.hf plugs the same stop vote, summary and
-shielded workers into it.
+Hugging Face's Trainer runs its own loop; xscale.hf plugs the same tally (RunTally) into it.
 
 The stop protocol. A stop signal (xscale.lifecycle) only sets a local flag; the ranks vote on it
-every `sync_every` steps (and at the last step), in the all_reduce that already reduces the
+every `log_every` steps (and at the last step), in the all_reduce that already reduces the
 loss for the log, so stopping costs no collective and no host sync of its own. Every rank counts
 the same steps, so all vote at the same step, stop after it, save one checkpoint and exit 0; a
 requeued job resumes from it. Slurm's warning comes minutes before the limit (the templates'
@@ -27,6 +29,8 @@ included, is the summary's `checkpoint_stall_s`.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -41,15 +45,18 @@ from torch.utils.data import DataLoader
 from xscale import (
     checkpoint,
     data,
+    ds,
     flight,
     lifecycle,
     profiling,
     progress,
     runlog,
+    settings,
     startup,
     stragglers,
 )
 from xscale.dist import DistContext, init_distributed
+from xscale.lifecycle import UserError
 from xscale.reductions import all_reduce_sums, gather_to_rank0
 from xscale.throughput import Throughput
 
@@ -60,16 +67,45 @@ STARTED = time.perf_counter()
 STOP_VOTE_EVERY = 10
 
 
-def start(prog: str, **options: Any) -> DistContext:
-    """Catch the stop signals, then join the process group on this rank's device (options:
-    xscale.dist.init_distributed's). Signals first: the warning may come during start-up. A
-    collective that fails from then on leaves this rank's flight record (xscale.flight)."""
-    startup.mark("imports")  # the trainer's first call: everything it imports is imported
+def start(*, backend: str | None = None, init_method: str | None = None,
+          require_gpu: bool = False, **placement: Any) -> DistContext:
+    """Join the process group on this rank's device; every rank calls it once, first.
+
+    Before that it catches Slurm's stop signals (the warning may come during start-up) and
+    checks the XSCALE_* settings; afterwards a collective that fails leaves this rank's flight
+    record for the step supervisor (xscale.flight). `backend`: nccl, gloo, xccl... (default:
+    the device's, or XSCALE_BACKEND); `init_method`: pytorch/examples' --dist-url (default:
+    MASTER_ADDR/MASTER_PORT from run.sh); `require_gpu`: fail in one line on a rank without
+    one. `placement`: rank, world_size, gpu, as pytorch/examples' --rank, --world-size, --gpu.
+    The returned context has the rank's place, device and backend (xscale.Context).
+    """
+    startup.mark("imports")  # the script's first call: everything it imports is imported
     lifecycle.install_stop_handlers()
     lifecycle.on_failure(flight.record_failure)
-    ctx = init_distributed(**options)
+    ctx = init_distributed(backend=backend, init_method=init_method, require_gpu=require_gpu,
+                           **placement)
+    warn_misspelled_settings(ctx.is_main)
     startup.mark("group")
     return ctx
+
+
+def catch_stop_signals() -> None:
+    """Catch Slurm's warning (SIGUSR1) and SIGTERM from now on: they set a flag that the next
+    stop vote reads (Loop, stop_agreed, XscaleTrainer), instead of ending the process. Call it
+    first thing when the script loads a model for minutes before xscale.start() or
+    XscaleTrainer would catch them. Under the spawn start method it also starts
+    multiprocessing's resource tracker shielded, before something starts it unshielded."""
+    lifecycle.install_stop_handlers()
+    if multiprocessing.get_start_method(allow_none=True) == "spawn":
+        lifecycle.shield_resource_tracker()
+
+
+def warn_misspelled_settings(is_main: bool) -> None:
+    """One line on rank 0 for each XSCALE_* variable that is no setting (a typo: the run would
+    go on without what was asked for), naming the setting it is close to."""
+    if is_main:
+        for line in settings.misspelled(os.environ):
+            print(line, file=sys.stderr, flush=True)
 
 
 def first_step_done(device: torch.device) -> None:
@@ -96,6 +132,18 @@ def vote(reduce: Callable[..., dict[str, Any]] | None = None,
     return sums["stop"] > 0, {name: sums[name] for name in shared}
 
 
+def stop_agreed() -> bool:
+    """Whether any rank received Slurm's warning (SIGUSR1) or SIGTERM: a collective, so every
+    rank calls it at the same step, and every rank gets the same answer. The piece to take
+    alone when a script only wants to save and stop before the time limit:
+
+        if step % 10 == 0 and xscale.stop_agreed():
+            save_my_checkpoint(); break
+
+    xscale.start() (or xscale.catch_stop_signals()) must have caught the signals first."""
+    return vote()[0]
+
+
 def stop_message(prog: str, step: int, saved: object | None) -> str:
     """The line rank 0 prints after a stop (it may not have received the signal itself)."""
     name = lifecycle.signal_name(lifecycle.stop_received()) or "a signal to another rank"
@@ -103,89 +151,190 @@ def stop_message(prog: str, step: int, saved: object | None) -> str:
     return f"{prog}: stopped by {name} at step {step}; checkpoint {where}"
 
 
-class Loop:
-    """This rank's training loop bookkeeping, from `start_step` to `end_step` (None: unbounded).
+def script_name() -> str:
+    """The running script's file name (`train.py`), the name of its run in messages."""
+    return Path(sys.argv[0]).name or "python"
 
-    save(step, epoch) writes a checkpoint (a collective where the trainer's checkpoint is) and
-    returns where; None when the run has no output directory. A save that writes in the
-    background also has wait() and last_write_s (xscale.checkpoint.TrainingSaver). With `model`,
-    its own work per step is watched for a straggler (xscale.stragglers). The whole summary goes
-    into `output_dir` (xscale.runlog.SUMMARY_FILE).
+
+class RunTally:
+    """What a run tallies as it trains, whichever loop drives it (Loop, or Hugging Face's Trainer
+    through xscale.hf): its first step (the end of the start-up), its log intervals, the time
+    each checkpoint held training up, and its end; rank 0 notes each as progress for the step
+    supervisor's goodput ledger (xscale.progress). With `checkpoint_every` auto it also times
+    the steps for Young's interval (auto_interval)."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.node_mtbf_h = checkpoint.node_mtbf_hours()  # a bad setting stops the run first
+        self.progress = progress.Progress(ctx.is_main)
+        self.stall_s, self.saves, self.last_stall_s = 0.0, 0, 0.0
+        self._first: tuple[int, float] | None = None  # (step, when): steps after it are timed
+
+    def first_step(self, step: int) -> None:
+        first_step_done(self.ctx.device)
+        self.progress.note("first_step", step)
+        self._first = (step, time.perf_counter())
+
+    def interval(self, step: int) -> None:
+        self.progress.note("interval", step)
+
+    def saved(self, step: int, stall_s: float) -> None:
+        """A save held training up `stall_s` (the cost Young's interval is decided from)."""
+        self.saves += 1
+        self.last_stall_s = stall_s
+        self.waited(step, stall_s)
+
+    def waited(self, step: int, stall_s: float) -> None:
+        """Training waited `stall_s` for a checkpoint (a save, or a background write)."""
+        self.stall_s += stall_s
+        self.progress.note("checkpoint", step, stall_s=stall_s)
+
+    def end(self, step: int) -> None:
+        self.progress.note("end", step)
+
+    def seconds_per_step(self, step: int) -> float | None:
+        """The mean time of the steps since the first (its warm-up left out); None before."""
+        if self._first is None or step <= self._first[0]:
+            return None
+        first_step, first_end = self._first
+        return (time.perf_counter() - first_end) / (step - first_step)
+
+    def auto_interval(self, option: str, step_s: float, write_s: float = 0.0) -> dict[str, float]:
+        """Rank 0's interval from the last save's cost, as the vote's share (the other ranks
+        add 0, the all-reduce hands rank 0's to all); the decision is printed on rank 0."""
+        if not self.ctx.is_main:
+            return {"every": 0.0}
+        every, line = checkpoint.auto_decision(option, self.last_stall_s, write_s, step_s,
+                                               self.ctx.nnodes, self.node_mtbf_h)
+        print(line, flush=True)
+        return {"every": float(every)}
+
+
+def _saver_and_resume(ctx: DistContext, model: nn.Module, optimizer: Any, scaler: Any,
+                      output_dir: Path | None, keep: int, resume: bool,
+                      fields: dict[str, Any]) -> tuple[Callable[[int, int], Any] | None,
+                                                       int | None]:
+    """How the loop saves, and the step restored from the newest checkpoint (None: a fresh
+    start). A DeepSpeed engine saves and loads through its own checkpointing (xscale.ds), every
+    other model with its optimizer through xscale.checkpoint."""
+    if output_dir is None:
+        return None, None
+    if hasattr(model, "save_checkpoint") and hasattr(model, "load_checkpoint"):
+        return ds.saver(model, output_dir, keep), ds.resume(model, output_dir, ctx.rank, resume)
+    if optimizer is None:
+        return None, None
+    resumed = checkpoint.resume_training(output_dir, model, optimizer, scaler, rank=ctx.rank,
+                                         enabled=resume)
+    save = checkpoint.training_saver(output_dir, model, optimizer, scaler, is_main=ctx.is_main,
+                                     keep=keep, **fields)
+    return save, resumed
+
+
+class Loop:
+    """The bookkeeping of a training loop over `loader` (made by xscale.loader): where it
+    resumes, when it logs, votes on a stop and saves, what it reports.
+
+    model: the module trained (DDP-wrapped or not), or a DeepSpeed engine; its own work per
+    step is watched for a straggler (xscale.stragglers). With `output_dir` and an `optimizer`
+    (or an engine), the loop resumes from the newest checkpoint there (unless resume=False)
+    and saves one every `checkpoint_every` steps (0: only at the end and at a stop; "auto":
+    Young's interval from the first save's cost), keeping the newest `keep_checkpoints`; the
+    summary goes there too (xscale-summary.json). epochs, max_steps: where training ends
+    (both: whichever comes first; neither: never). accumulation: micro-batches per optimizer
+    step. log_every: steps between the loss log and the stop vote. tensorboard_dir: the loss
+    curve (default OUTPUT_DIR/tb). name: the run's name in the summary (default: the script's
+    file name without .py). checkpoint_fields: more entries for each checkpoint file.
+    A script with checkpoints of its own passes `save(step, epoch)`, called at the cadence
+    above (returning where it saved), and `resumed_step`, the step it restored.
     """
 
-    def __init__(self, ctx: DistContext, trainer: str, prog: str, *, start_step: int,
-                 end_step: int | None, per_epoch: int, sync_every: int,
-                 save: Callable[[int, int], Path] | None, checkpoint_every: int | str = 0,
-                 resumed: bool = False, accumulation: int = 1, batch_size: int,
-                 tensorboard_dir: Path | None = None, warmup_steps: int = 1,
-                 model: nn.Module | None = None, output_dir: Path | None = None) -> None:
-        self.ctx, self.trainer, self.prog = ctx, trainer, prog
-        self.output_dir = output_dir
-        self.started = STARTED
-        self.start_step = self.step = start_step
-        self.end_step, self.per_epoch = end_step, per_epoch
-        self.epoch = start_step // per_epoch
-        self.save_fn = save
+    def __init__(self, ctx: DistContext, loader: DataLoader, *, model: nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 scaler: torch.amp.GradScaler | None = None, output_dir: Path | None = None,
+                 epochs: int | None = None, max_steps: int | None = None, accumulation: int = 1,
+                 checkpoint_every: int | str = 0, keep_checkpoints: int = 3, resume: bool = True,
+                 log_every: int = 10, tensorboard_dir: Path | None = None,
+                 warmup_steps: int = 1, name: str | None = None,
+                 checkpoint_fields: dict[str, Any] | None = None,
+                 save: Callable[[int, int], Any] | None = None,
+                 resumed_step: int | None = None) -> None:
+        self.ctx, self.model, self.loader = ctx, model, loader
+        self.prog = script_name()
+        self.trainer = name or Path(self.prog).stem
+        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.sampler = _resumable_sampler(loader)
+        self.accumulation, self.batch_size = accumulation, loader.batch_size or 1
+        self.per_epoch = data.steps_per_epoch(self.sampler, self.batch_size, accumulation)
+        self.epochs = epochs
+        self.end_step = data.last_step(self.per_epoch, epochs, max_steps)
         self.auto_every = checkpoint_every == "auto"
         self.checkpoint_every = 0 if self.auto_every else int(checkpoint_every)
         checkpoint.checkpoint_mode()  # a bad setting stops the run before its first step
         checkpoint.checkpoint_writers()
-        self.node_mtbf_h = checkpoint.node_mtbf_hours()
-        self.stall_s, self.saves = 0.0, 0
-        self._first_step_at: float | None = None
-        self.accumulation, self.batch_size = accumulation, batch_size
-        self.saved_step = start_step if resumed else None
-        self.saved_path: Path | None = None
+        self.tally = RunTally(ctx)
+        if self.output_dir is not None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.save_fn, resumed = save, resumed_step
+        if save is None:
+            self.save_fn, resumed = _saver_and_resume(ctx, model, optimizer, scaler,
+                                                      self.output_dir, keep_checkpoints, resume,
+                                                      checkpoint_fields or {})
+        self.start_step = self.step = resumed or 0
+        self.epoch = self.start_step // self.per_epoch
+        self.saved_step, self.saved_path = resumed, None
         self.stopped = False
         self._micro = 0  # micro-batches of the optimizer step under way
         self._voted_at: int | None = None
         self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
-        self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=start_step,
-                                   total_steps=end_step, log_every=sync_every,
-                                   tensorboard_dir=tensorboard_dir, desc=trainer)
+        tensorboard_dir = tensorboard_dir or (self.output_dir and self.output_dir / "tb")
+        self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=self.start_step,
+                                   total_steps=self.end_step, log_every=log_every,
+                                   tensorboard_dir=tensorboard_dir, desc=self.trainer)
         self.window = profiling.window_from_env(ctx.rank, ctx.device)
-        self.stragglers = None if model is None else stragglers.watch(
-            model, ctx.device, ctx.rank, ctx.world_size, say=self.log.message)
-        self.progress = progress.Progress(ctx.is_main)
+        self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
+                                           say=self.log.message)
+        if resumed is not None:
+            self.message(f"{self.prog}: resuming from step {resumed} in {self.output_dir}")
 
     @classmethod
-    def from_args(cls, ctx: DistContext, trainer: str, prog: str, args: argparse.Namespace, *,
-                  resumed: int | None, per_epoch: int, batch_size: int,
-                  save: Callable[[int, int], Path] | None, model: nn.Module,
-                  accumulation: int | None = None, warmup_steps: int | None = 1) -> Loop:
-        """The loop of a trainer with xscale's common command line: --max-steps and --epochs
-        (the end step), --log-every (the vote and the log), --checkpoint-every, --output-dir
-        (the summary; TensorBoard in OUTPUT_DIR/tb unless --logging-dir), --grad-accum-steps
-        (unless the trainer's config decides: `accumulation`). `resumed`: the step the run
-        resumed from, None for a fresh start. `warmup_steps` None: a tenth of the run, 1 to 5
-        steps (the rate of a short benchmark run starts after its kernel search)."""
-        end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
+    def from_args(cls, ctx: DistContext, loader: DataLoader, args: argparse.Namespace, *,
+                  model: nn.Module, accumulation: int | None = None,
+                  warmup_steps: int | None = 1, **options: Any) -> Loop:
+        """The loop of a script with xscale's trainers' command line: --epochs, --max-steps,
+        --grad-accum-steps (unless `accumulation` says), --log-every, --checkpoint-every,
+        --keep-checkpoints, --no-resume (args.resume), --output-dir, --logging-dir (TensorBoard).
+        `warmup_steps` None: a tenth of the run, 1 to 5 steps (the rate of a short benchmark
+        run starts after its kernel search). `options`: Loop's other keywords."""
+        accumulation = args.grad_accum_steps if accumulation is None else accumulation
         if warmup_steps is None:
+            sampler = _resumable_sampler(loader)
+            per_epoch = data.steps_per_epoch(sampler, loader.batch_size or 1, accumulation)
+            end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
             warmup_steps = min(5, max(1, (end_step or 10) // 10))
-        return cls(ctx, trainer, prog, start_step=resumed or 0, resumed=resumed is not None,
-                   end_step=end_step, per_epoch=per_epoch, sync_every=args.log_every,
-                   batch_size=batch_size,
-                   accumulation=args.grad_accum_steps if accumulation is None else accumulation,
-                   checkpoint_every=args.checkpoint_every, save=save,
-                   tensorboard_dir=args.logging_dir or (args.output_dir and args.output_dir / "tb"),
-                   warmup_steps=warmup_steps, model=model, output_dir=args.output_dir)
+        return cls(ctx, loader, model=model, output_dir=args.output_dir, epochs=args.epochs,
+                   max_steps=args.max_steps, accumulation=accumulation,
+                   checkpoint_every=args.checkpoint_every,
+                   keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+                   log_every=args.log_every, tensorboard_dir=args.logging_dir,
+                   warmup_steps=warmup_steps, **options)
 
     # ---- the loop -------------------------------------------------------------------------
 
-    def batches(self, loader: DataLoader, sampler: data.ResumableSampler,
-                epochs: int | None = None) -> Iterator[tuple[int, Any]]:
-        """(epoch, micro-batch) from the resumed position until the end step or a stop."""
+    def batches(self) -> Iterator[tuple[int, Any]]:
+        """(epoch, micro-batch) from the resumed position until the end or a stop. A resumed
+        run continues the interrupted epoch in the same shuffled order."""
         self.meter.start()
-        batches = data.train_batches(loader, sampler, start_step=self.start_step, epochs=epochs,
-                                     max_steps=self.end_step, accumulation=self.accumulation)
+        batches = data.train_batches(self.loader, self.sampler, start_step=self.start_step,
+                                     epochs=self.epochs, max_steps=self.end_step,
+                                     accumulation=self.accumulation)
         while True:
             waited = time.perf_counter()
             try:
                 step_index, epoch, batch = next(batches)
             except StopIteration:
                 return
-            if self.stragglers is not None:  # the wait for a batch is this rank's own work
-                self.stragglers.clock.add_wait(time.perf_counter() - waited)
+            # The wait for a batch is this rank's own work (a slow disk makes a straggler).
+            self.stragglers.clock.add_wait(time.perf_counter() - waited)
             self.window.step(step_index)
             self.epoch = epoch
             yield epoch, batch
@@ -205,21 +354,18 @@ class Loop:
         return model.no_sync()
 
     def record(self, loss: torch.Tensor, samples: int, tokens: int = 0) -> None:
-        """After each micro-batch: the loss and rates, then at a step's end the checkpoint
-        cadence and the stop vote."""
+        """After each micro-batch: its loss and size (samples, tokens for language models);
+        at a step's end the checkpoint cadence and, every `log_every` steps, the stop vote."""
         self.log.add(self.step, loss, samples)
         self._micro += 1
         if self._micro < self.accumulation:
             return
         self._micro = 0
         self.step += 1
-        if self.stragglers is not None:
-            self.stragglers.step()
+        self.stragglers.step()
         self.meter.step(samples * self.accumulation, tokens)
         if self.step == self.start_step + 1:
-            first_step_done(self.ctx.device)
-            self.progress.note("first_step", self.step)
-            self._first_step_at = time.perf_counter()
+            self.tally.first_step(self.step)
         self.log.advance()
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self._save()
@@ -232,6 +378,14 @@ class Loop:
         return (not self.stopped and self._micro == 0 and self.step % self.per_epoch == 0
                 and self.step != self.end_step)
 
+    def message(self, text: str) -> None:
+        """Print TEXT once, on rank 0, without breaking the progress bar."""
+        self.log.message(text)
+
+    def scalar(self, name: str, value: float) -> None:
+        """Log a value at the current step into TensorBoard (rank 0), e.g. an accuracy."""
+        self.log.scalar(name, value, self.step)
+
     def _vote(self) -> None:
         self._voted_at = self.step
         stop, shared = vote(self.log.flush, self.stragglers, **self._propose_interval())
@@ -239,57 +393,42 @@ class Loop:
             self.checkpoint_every, self.auto_every = int(shared["every"]), False
         if stop:
             self.stopped = True
-        self.progress.note("interval", self.step)
+        self.tally.interval(self.step)
 
     def _propose_interval(self) -> dict[str, float]:
-        """With --checkpoint-every auto, at the first vote after a timed step: a save now, and
-        rank 0's interval from what it cost (checkpoint.auto_interval), which the vote's
-        all-reduce hands to every rank."""
-        timed_steps = self.step - self.start_step - 1
-        if not self.auto_every or self.save_fn is None or timed_steps < 1 \
-                or self._first_step_at is None:
+        """With checkpoint_every auto, at the first vote after a timed step: a save now, and
+        rank 0's interval from what it cost, which the vote's all-reduce hands to every rank."""
+        step_s = self.tally.seconds_per_step(self.step)
+        if not self.auto_every or self.save_fn is None or step_s is None:
             return {}
-        step_s = (time.perf_counter() - self._first_step_at) / timed_steps
-        stall_s = self._save()
+        self._save()
         self._wait_for_writes()
-        if not self.ctx.is_main:
-            return {"every": 0.0}
-        write_s = getattr(self.save_fn, "last_write_s", 0.0)
-        every, line = checkpoint.auto_decision("--checkpoint-every", stall_s, write_s, step_s,
-                                               self.ctx.nnodes, self.node_mtbf_h)
-        self.log.message(line)
-        return {"every": float(every)}
+        return self.tally.auto_interval("--checkpoint-every", step_s,
+                                        getattr(self.save_fn, "last_write_s", 0.0))
 
-    def _save(self) -> float:
-        """The checkpoint of this step, once; how long it held training up (0 if none) goes to
-        the progress notes (a collective save: every rank waits as long as the slowest)."""
+    def _save(self) -> None:
+        """The checkpoint of this step, once (a collective save: every rank waits as long as
+        the slowest)."""
         if self.save_fn is None or self.saved_step == self.step:
-            return 0.0
+            return
         started = time.perf_counter()
         self.saved_path = self.save_fn(self.step, self.epoch)
         self.saved_step = self.step
-        stall_s = time.perf_counter() - started
-        self.stall_s += stall_s
-        self.saves += 1
-        self.progress.note("checkpoint", self.step, stall_s=stall_s)
-        return stall_s
+        self.tally.saved(self.step, time.perf_counter() - started)
 
     def _wait_for_writes(self) -> None:
-        """Until the background write is published; the wait is a stall too (and goes to the
-        progress notes as one, for the goodput ledger)."""
+        """Until the background write is published; the wait is a stall too."""
         wait = getattr(self.save_fn, "wait", None)
         if wait is not None:
             started = time.perf_counter()
             wait()
-            waited = time.perf_counter() - started
-            self.stall_s += waited
-            self.progress.note("checkpoint", self.step, stall_s=waited)
+            self.tally.waited(self.step, time.perf_counter() - started)
 
     # ---- the end --------------------------------------------------------------------------
 
     def finish(self) -> None:
         """Stop the clocks, take the last vote if the last step had none, save the last
-        checkpoint, and say so on rank 0 after a stop."""
+        checkpoint, and say so on rank 0 after a stop. Every rank calls it."""
         self.meter.stop()
         self.window.close()
         if self._voted_at != self.step:
@@ -297,30 +436,35 @@ class Loop:
         self.log.close()
         self._save()
         self._wait_for_writes()
-        self.progress.note("end", self.step)
+        self.tally.end(self.step)
         if self.stopped and self.ctx.is_main:
             print(stop_message(self.prog, self.step, self.saved_path), flush=True)
 
-    def report(self, model: nn.Module, **own: Any) -> None:
-        """XSCALE_RANK on every rank, XSCALE_SUMMARY on rank 0 (the rates are reduced: every
-        rank calls this)."""
-        write_summary(self.ctx, model, trainer=self.trainer, started=self.started,
+    def report(self, **own: Any) -> None:
+        """XSCALE_RANK on every rank, XSCALE_SUMMARY on rank 0, with the script's OWN fields
+        (an accuracy, ...) after xscale's; every rank calls it (the rates are reduced)."""
+        write_summary(self.ctx, self.model, trainer=self.trainer, started=STARTED,
                       start_step=self.start_step, steps=self.step, meter=self.meter,
                       loss_first=self.log.loss_first, loss_last=self.log.loss_last,
                       stopped=self.stopped, checkpoint=self.saved_path,
                       batch_size=self.batch_size, accumulation=self.accumulation,
-                      counts_tokens=False, stragglers=self.stragglers,
-                      checkpoint_stall_s=self.stall_s, checkpoints_saved=self.saves,
+                      counts_tokens=False, stragglers=self.stragglers, tally=self.tally,
                       output_dir=self.output_dir, **own)
+
+
+def _resumable_sampler(loader: DataLoader) -> data.ResumableSampler:
+    if not isinstance(loader.sampler, data.ResumableSampler):
+        raise UserError("xscale.Loop needs a loader made by xscale.loader() (its sampler "
+                        "resumes mid-epoch), not a DataLoader of the script's own")
+    return loader.sampler
 
 
 def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: float,
                   start_step: int, steps: int, meter: Throughput,
                   loss_first: float | None, loss_last: float | None, stopped: bool,
                   checkpoint: object | None, batch_size: int, accumulation: int,
-                  counts_tokens: bool, stragglers: stragglers.StragglerWatch | None = None,
-                  checkpoint_stall_s: float = 0.0, checkpoints_saved: int = 0,
-                  output_dir: str | Path | None = None, **own: Any) -> None:
+                  counts_tokens: bool, stragglers: stragglers.StragglerWatch | None,
+                  tally: RunTally, output_dir: str | Path | None = None, **own: Any) -> None:
     """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer; the whole
     summary also into OUTPUT_DIR/xscale-summary.json (xscale.runlog)."""
     rates = meter.reduced()
@@ -348,8 +492,8 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "stopped_early": stopped,
         "signal": lifecycle.signal_name(lifecycle.stop_received()),
         "checkpoint": checkpoint,
-        "checkpoint_stall_s": round(checkpoint_stall_s, 3),
-        "checkpoints_saved": checkpoints_saved,
+        "checkpoint_stall_s": round(tally.stall_s, 3),
+        "checkpoints_saved": tally.saves,
         "startup": started_up,
         "straggler": None if stragglers is None else stragglers.summary(),
         "summary_file": runlog.summary_path(output_dir),

@@ -7,10 +7,10 @@ the same clock; across nodes they agree as well as NTP or PTP keeps the nodes' c
     run_sh      XSCALE_T_RUNSH: run.sh began on this rank
     exec        XSCALE_T_EXEC: run.sh exec'd the trainer
     imports     the trainer's imports are done (torch, its other libraries, xscale's modules):
-                its first call that starts the run marks it (runtime.start for the plain
-                trainers, hf.device_and_backend for Trainer's)
+                its first call that starts the run marks it (xscale.start for the plain
+                trainers, hf.ddp_arguments or XscaleTrainer for Trainer's)
     group       the process group formed (runtime.start; Trainer's arguments for GPT-neo)
-    first_step  this run's first optimizer step done (runtime.Loop, hf.RunRecord)
+    first_step  this run's first optimizer step done (runtime.RunTally, for Loop and XscaleTrainer)
 
 A phase is the time between two successive moments, PHASES below, and `total` runs from the launch
 to the first step. A moment that was not recorded (a step started by hand has no XSCALE_LAUNCH_T, a
@@ -22,11 +22,12 @@ Standard library only: `xscale report` aggregates and draws these without torch.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from xscale import settings
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,7 @@ def parse_clock(text: str | None) -> float | None:
 
 def moments(environ: Mapping[str, str] | None = None) -> dict[str, float | None]:
     """This process's moments: the environment's and the ones marked here."""
-    environ = os.environ if environ is None else environ
-    found: dict[str, float | None] = {name: parse_clock(environ.get(variable))
+    found: dict[str, float | None] = {name: parse_clock(settings.value(variable, environ))
                                       for name, variable in FROM_ENVIRONMENT.items()}
     for name in ("imports", "group", "first_step"):
         found[name] = _marks.get(name)

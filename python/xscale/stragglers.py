@@ -26,7 +26,6 @@ slow node of two, nobody is twice the median, and the summary's factor still sho
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -35,28 +34,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from xscale.lifecycle import UserError
+from xscale import settings as xscale_settings  # this module's settings() keeps its old name
 from xscale.reductions import gather_to_rank0
 from xscale.runlog import node_name, unwrap
 
 FACTOR_ENV, INTERVALS_ENV = "XSCALE_STRAGGLER_FACTOR", "XSCALE_STRAGGLER_INTERVALS"
-DEFAULT_FACTOR, DEFAULT_INTERVALS = 2.0, 3
+DEFAULT_FACTOR = xscale_settings.setting(FACTOR_ENV).default
+DEFAULT_INTERVALS = xscale_settings.setting(INTERVALS_ENV).default
 
 
 def settings(environ: dict[str, str] | None = None) -> tuple[float, int]:
     """(factor, intervals) from the environment; a bad value is a UserError, before training."""
-    env = os.environ if environ is None else environ
-    raw_factor = env.get(FACTOR_ENV, str(DEFAULT_FACTOR))
-    raw_intervals = env.get(INTERVALS_ENV, str(DEFAULT_INTERVALS))
-    try:
-        factor = float(raw_factor)
-    except ValueError:
-        factor = 0.0
-    if not factor > 1:  # also refuses nan
-        raise UserError(f"{FACTOR_ENV}={raw_factor!r} must be a number above 1")
-    if not raw_intervals.isdigit() or int(raw_intervals) < 1:
-        raise UserError(f"{INTERVALS_ENV}={raw_intervals!r} must be a whole number of at least 1")
-    return factor, int(raw_intervals)
+    return (xscale_settings.value(FACTOR_ENV, environ),
+            xscale_settings.value(INTERVALS_ENV, environ))
 
 
 class WorkClock:
@@ -107,12 +97,17 @@ class WorkClock:
         return seconds
 
 
+def print_now(text: str) -> None:
+    """Print TEXT at once: the line is read while the job runs, and stdout is a pipe there."""
+    print(text, flush=True)
+
+
 class StragglerWatch:
     """One per rank; rank 0 says which rank straggles. `nodes`: rank -> node, on rank 0."""
 
     def __init__(self, clock: WorkClock, rank: int, world_size: int, nodes: list[str],
                  factor: float, intervals: int,
-                 say: Callable[[str], None] = print) -> None:
+                 say: Callable[[str], None] = print_now) -> None:
         self.clock, self.rank, self.world_size, self.nodes = clock, rank, world_size, nodes
         self.factor, self.intervals, self.say = factor, intervals, say
         self._steps_since = 0
@@ -169,7 +164,7 @@ class StragglerWatch:
 
 
 def watch(model: nn.Module, device: torch.device, rank: int, world_size: int,
-          say: Callable[[str], None] = print) -> StragglerWatch:
+          say: Callable[[str], None] = print_now) -> StragglerWatch:
     """A watch over this rank's own work (a collective: every rank calls it, to give rank 0 the
     ranks' nodes)."""
     factor, intervals = settings()

@@ -30,6 +30,7 @@ AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def architectures() -> list[str]:
+    """The torchvision classifiers -a/--arch accepts."""
     import torchvision
 
     return sorted(torchvision.models.list_models(module=torchvision.models))
@@ -75,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, workers_per: str) -> None:
                         help="checkpoints go here; a run resumes from the newest")
     parser.add_argument("--no-resume", dest="resume", action="store_false",
                         help="start from scratch even if --output-dir has checkpoints")
-    parser.add_argument("--checkpoint-every", type=checkpoint.every_argument, default=0,
+    parser.add_argument("--checkpoint-every", type=checkpoint.checkpoint_interval, default=0,
                         metavar="N", help="also save every N steps (0: at the end and on a stop "
                         "signal; auto: Young's interval from the first save's cost)")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="K")
@@ -92,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, workers_per: str) -> None:
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """argparse's checks of the common command line: parser.error() on a bad value."""
     if args.arch not in architectures():
         parser.error(f"--arch '{args.arch}' is not a torchvision model (e.g. resnet18, "
                      "resnet50, mobilenet_v3_small)")
@@ -112,6 +114,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def default_stage_dir() -> Path:
+    """Where --stage puts the data on each node: XSCALE_STAGE_DIR or /tmp/USER-xscale-data."""
     if os.environ.get("XSCALE_STAGE_DIR"):
         return Path(os.environ["XSCALE_STAGE_DIR"])
     user = os.environ.get("USER") or f"uid{os.getuid()}"

@@ -9,6 +9,9 @@
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=2
 #SBATCH --time=00:05:00
+#SBATCH --signal=B:USR1@60
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 source "${XSCALE_ROOT:=$SLURM_SUBMIT_DIR}/jobs/lib/local.sh"
 : "${OUTPUT_DIR:?set OUTPUT_DIR, where the job keeps its records}"

@@ -1,7 +1,8 @@
 """A plain DDP training script as users write their own, in pytorch/examples' style: its own
 argparse with `--dist-url` and `--dist-backend`, its own model, data and loop, DataLoader
 workers, and nothing of xscale's. It ends as docs/FAILURES.md ("A script of your own") says a
-gloo job must, to exit 0 every time.
+gloo job must, to exit 0 every time. own_ddp_xscale.py is the same script with the lines
+docs/YOUR-SCRIPT.md adds.
 
 tests/test_own_scripts.py runs it through run.sh on the virtual cluster. Every rank prints
 `RESULT {json}`: its place, its threads, and its losses.
@@ -30,6 +31,15 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, features: torch.Tensor,
+               target: torch.Tensor) -> torch.Tensor:
+    loss = nn.functional.mse_loss(model(features), target)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def main() -> None:
     args = parse_args()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -47,10 +57,7 @@ def main() -> None:
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for features, target in loader:
-            loss = nn.functional.mse_loss(model(features), target)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            loss = train_step(model, optimizer, features, target)
             losses.append(loss.item())
     print("RESULT " + json.dumps({
         "rank": rank, "world_size": world_size, "node": socket.gethostname(),
