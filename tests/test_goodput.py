@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from xscale import goodput_model
+from xscale import contract, goodput_model
 
 from tests.helpers import host_module
 
@@ -161,8 +163,8 @@ def test_progress_cut_short_by_a_dead_node_is_read_up_to_its_last_whole_line(tmp
     notes = tmp_path / "run0-step1.progress"
     first = {"event": "first_step", "step": 1, "time": 5.0}
     notes.write_text(json.dumps(first) + '\n{"event": "in')
-    assert goodput.read_progress(str(notes)) == [first]
-    assert goodput.read_progress(str(tmp_path / "missing")) == []
+    assert contract.read_progress(str(notes)) == [first]
+    assert contract.read_progress(str(tmp_path / "missing")) == []
 
 
 def test_the_ledger_is_written_whole(tmp_path: Path):
@@ -212,3 +214,30 @@ def test_the_model_for_one_job_and_its_bad_input(capsys):
         goodput_model.main(["--nodes", "0"])
     assert stopped.value.code == 2
     assert "--nodes and --runs must be at least 1" in capsys.readouterr().err
+
+
+def test_the_notes_the_ranks_write_are_what_the_host_reads(tmp_path: Path, monkeypatch):
+    """One round trip through xscale.contract: rank 0's tally notes its first step, a
+    checkpoint and its end into XSCALE_PROGRESS, where the supervisor puts the launch's notes;
+    the supervisor's programs (loaded as the batch host loads them) find the training finished
+    and book its time, and a stopped launch is not finished."""
+    import torch
+    from xscale import dist, runtime
+
+    supervisor = host_module("supervisor")
+    launched = time.time()
+    step = {"log": str(tmp_path / "run0-step1.log"), "launched": launched, "status": 0}
+    monkeypatch.setenv(contract.PROGRESS_VAR, contract.launch_file(step["log"], contract.PROGRESS))
+    tally = runtime.RunTally(dist.DistContext(0, 1, 0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    tally.first_step(1)
+    tally.saved(10, 0.5)
+    tally.end(20, stopped=False)
+    step["ended"] = contract.read_progress(os.environ[contract.PROGRESS_VAR])[-1]["time"] + 1
+    assert supervisor.training_finished(step["log"])
+    book = goodput.ledger([{"started": launched, "ended": step["ended"], "steps": [step]}],
+                          lambda step: supervisor.progress_of(step["log"]))
+    assert (book["checkpoints_s"], book["lost_steps"]) == (0.5, 0), book
+    assert 0 <= book["startup_s"] < 1 <= book["allocated_s"] < 2, book
+    tally.end(20, stopped=True)  # a second launch's notes, say, after a stop signal
+    assert not contract.training_finished(contract.read_progress(
+        os.environ[contract.PROGRESS_VAR])[-1:])

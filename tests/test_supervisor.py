@@ -20,10 +20,12 @@ from tests.helpers import JOBS_LIB, assert_python36_code, find_python36, host_mo
 
 # Everything the batch host runs or imports in Python.
 HOST_PYTHON = [*(JOBS_LIB / f"{name}.py" for name in ("supervisor", "failure_report", "shared",
-                                                      "hangs", "steps", "allocation", "goodput")),
+                                                      "hangs", "steps", "allocation", "goodput",
+                                                      "attempt")),
                JOBS_LIB / "stage", JOBS_LIB / "stage-node",
                REPO / "runscripts" / "lib" / "rank_stack.py",
-               REPO / "python" / "xscale" / "records.py", REPO / "python" / "xscale" / "archive.py",
+               *(REPO / "python" / "xscale" / f"{name}.py" for name in ("records", "archive",
+                                                                        "contract")),
                REPO / "runscripts" / "lib" / "hostlist.py"]
 
 
@@ -43,7 +45,8 @@ def test_host_programs_run_under_a_real_python36(tmp_path: Path):
     bad = subprocess.run([python36, str(JOBS_LIB / "supervisor.py"), "check"],
                          env={**env, "XSCALE_RETRY": "2"}, capture_output=True, text=True,
                          timeout=60, check=False)
-    assert (bad.returncode, bad.stderr) == (2, "xscale: error: XSCALE_RETRY='2' must be 0 or 1\n")
+    assert (bad.returncode, bad.stderr) == (
+        2, "xscale: error: XSCALE_RETRY='2' is neither 0 nor 1\n")
     node = subprocess.run([python36, str(JOBS_LIB / "stage-node"), "clean", str(tmp_path / "x")],
                           env={**env, "STAGE_NODE_NAME": "nid009"}, capture_output=True, text=True,
                           timeout=60, check=False)
@@ -100,35 +103,34 @@ def test_a_listed_node_is_retried_as_a_blamed_one(tmp_path):
                                         "update JobId=42 ExcNodeList=nid[002-003]"]
 
 
-def run_step(tmp_path: Path, output: str, *stops: str) -> subprocess.CompletedProcess[str]:
-    """A step that prints OUTPUT, then the judgement of its end with STOPS received."""
-    proc = supervisor(tmp_path, "run", "--", "printf", "%s", output)
+def run_step(tmp_path: Path, notes: str, *stops: str) -> subprocess.CompletedProcess[str]:
+    """A step whose rank 0 notes NOTES in its XSCALE_PROGRESS (xscale.contract), then the
+    judgement of its end with STOPS received."""
+    proc = supervisor(tmp_path, "run", "--", "bash", "-c", 'printf "%s" "$1" >>"$XSCALE_PROGRESS"',
+                      "step", notes)
     assert proc.returncode == 0, proc.stderr
     (tmp_path / "stop").write_text("".join(f"{name}\n" for name in stops))
     return supervisor(tmp_path, "judge")
 
 
-def test_a_finished_training_is_read_from_a_summary_srun_label_cut(tmp_path):
-    """srun --label cuts a line after 1024 bytes and labels the rest again: a summary whose
-    stopped_early field falls in the second piece still says the training finished, read with
-    the trainers' own reader (the summary has grown past 1024 bytes before)."""
-    line = "XSCALE_SUMMARY " + json.dumps({"pad": "x" * 1200, "stopped_early": False})
-    pieces = [line[i:i + 1024] for i in range(0, len(line), 1024)]
-    assert '"stopped_early"' not in pieces[0]
-    output = "".join(f"0: {piece}\n" for piece in pieces)
-    judged = run_step(tmp_path, output, "USR1")
+def test_a_finished_training_is_read_from_rank_0s_progress_not_from_the_log(tmp_path):
+    """The warning came as the training ended: its `end` note says it was not stopped, so the
+    job is not requeued to do nothing."""
+    judged = run_step(tmp_path, '{"event": "end", "step": 60, "time": 1.0, "stopped": false}\n',
+                      "USR1")
     assert judged.returncode == 0
     assert "had finished its training when SIGUSR1 came: no requeue" in judged.stderr
     supervisor(tmp_path, "finish")
     assert scontrol_calls(tmp_path) == []
 
 
-def test_a_log_cut_short_is_a_stopped_training_not_a_crash(tmp_path):
-    """A step killed mid-line leaves half a summary: not JSON, and no proof it finished."""
-    judged = run_step(tmp_path, '0: XSCALE_SUMMARY {"steps": 7, "stopped_ea\n', "USR1")
+def test_notes_cut_short_are_a_stopped_training_not_a_crash(tmp_path):
+    """A step killed mid-line leaves half a note: no proof it finished, so it is requeued."""
+    judged = run_step(tmp_path, '{"event": "first_step", "step": 1, "time": 1.0}\n{"event": "en',
+                      "USR1")
     assert (judged.returncode, judged.stderr) == (0, "")
     supervisor(tmp_path, "finish")
-    assert scontrol_calls(tmp_path) == ["requeue 42"]
+    assert scontrol_calls(tmp_path)[-1] == "requeue 42"
 
 
 def test_a_step_that_cannot_start_is_one_line_and_no_traceback(tmp_path):
@@ -239,3 +241,23 @@ def test_a_node_is_blamed_for_a_hang_only_when_it_hung_in_the_attempt_before(tmp
                                           ["nid002"])
     assert blamed == ["nid002"]
     assert twice[-1] == ("blame: nid002: a rank on it hung in this attempt and in the one before")
+
+
+def test_an_attempt_comes_back_from_its_file_as_each_transition_left_it():
+    """The supervisor's commands each load the attempt, move it on and save it (runR.json):
+    every transition survives the round trip, in the form the goodput ledger reads."""
+    attempt_type = host_module("attempt").Attempt
+    attempt = attempt_type.fresh(5.0)
+    launch = attempt.launch("run0-step1.log", "nid[001-002]")
+    launch.ended_with(1)
+    launch.failed(["nid002"])
+    attempt.restarting({"nid002"})
+    attempt.launch("run0-step2.log", "nid[001,003]").ended_with(0)
+    attempt.requeue_for("the time limit")
+    attempt.done()
+    again = attempt_type.loaded(json.loads(json.dumps(attempt.saved())))
+    assert again.saved() == attempt.saved()
+    assert [(one.status, one.blamed) for one in again.launches] == [(1, ["nid002"]), (0, None)]
+    assert (again.restarts, again.excluded, again.requeue) == (1, ["nid002"],
+                                                               {"why": "the time limit"})
+    assert again.saved()["steps"][0]["launched"] <= again.ended

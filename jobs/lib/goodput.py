@@ -32,23 +32,11 @@ and later.
 import json
 import os
 
+from shared import contract
+
 CATEGORIES = ("training", "startup", "checkpoints", "lost_work", "restarts", "other")
 LABELS = {"startup": "start-up", "checkpoints": "checkpoints", "lost_work": "lost work",
           "restarts": "restarts", "other": "other"}
-
-
-def read_progress(path):
-    events = []
-    try:
-        with open(path) as handle:
-            for line in handle:
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    continue  # a line cut short when the node died
-    except OSError:
-        pass
-    return events
 
 
 def account_step(step, events, next_launch):
@@ -57,16 +45,16 @@ def account_step(step, events, next_launch):
     spent = dict.fromkeys(CATEGORIES, 0.0)
     if launched is None or ended is None:
         return spent, 0
-    first = next((event for event in events if event.get("event") == "first_step"), None)
+    first = contract.first(events, contract.FIRST_STEP)
     if first is None:
         spent["startup"] = ended - launched
         return spent, 0
     spent["startup"] = first["time"] - launched
-    saves = [event for event in events if event.get("event") == "checkpoint"]
+    saves = [event for event in events if event.get("event") == contract.CHECKPOINT]
     last = max(events, key=lambda event: event["time"])
     if step.get("status") == 0:
-        finished = next((event["time"] for event in events if event.get("event") == "end"),
-                        last["time"])
+        end = contract.first(events, contract.END)
+        finished = last["time"] if end is None else end["time"]
         stalls = sum(event.get("stall_s", 0.0) for event in saves)
         spent["checkpoints"] = stalls
         spent["training"] = max(finished - first["time"] - stalls, 0.0)

@@ -24,8 +24,9 @@ import subprocess
 import threading
 import time
 
-RECORD = re.compile(r"^rank(\d+)$")
-RELEASED = "released"  # python/xscale/flight.py waits for it
+from shared import contract
+
+RECORD = re.compile(r"^%s(\d+)$" % contract.RECORD_PREFIX)
 POLL_S = 0.5
 # No new record for this long: every rank that could write one has. Ranks time out a little apart
 # (each from when it entered the collective) and write their records under load; 2 s missed a
@@ -100,14 +101,14 @@ def release(fr_dir, recorded):
     """Let the waiting ranks go, noting whose records were there: once they exit, Slurm ends the
     step, and a frozen rank it continues (SIGCONT before SIGTERM) may time out too and write a
     record, late, that says nothing of what it did while frozen."""
-    with open(os.path.join(fr_dir, RELEASED), "w") as handle:
+    with open(os.path.join(fr_dir, contract.RELEASED), "w") as handle:
         json.dump({"recorded": recorded}, handle)
 
 
 def recorded_before_release(fr_dir):
     """The ranks whose records came before the release; None without one (no watch ran)."""
     try:
-        with open(os.path.join(fr_dir, RELEASED)) as handle:
+        with open(os.path.join(fr_dir, contract.RELEASED)) as handle:
             return set(json.load(handle)["recorded"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

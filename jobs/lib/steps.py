@@ -15,7 +15,7 @@ import threading
 import time
 
 import hangs
-from shared import say
+from shared import contract, say
 
 STOP_SIGNALS = {signal.SIGUSR1: "USR1", signal.SIGTERM: "TERM"}
 COPY_DRAIN_S = 5  # how long the step's output may trail its end (a process it left behind)
@@ -45,7 +45,7 @@ class Step:
         self.env, self.placement = env, placement
         self.proc = None
         self.forwarded = set()
-        self.fr_dir = step_file(log, ".fr")
+        self.fr_dir = contract.launch_file(log, contract.FLIGHT_RECORDS)
 
     def run(self):
         for signum in STOP_SIGNALS:
@@ -57,8 +57,10 @@ class Step:
         # The launch time, for the trainers' start-up phases (docs/STARTUP.md), in bash's
         # EPOCHREALTIME form; only this step's environment holds it, so an srun typed later by
         # hand reports its launch as unknown rather than this step's.
-        env = dict(os.environ, XSCALE_LAUNCH_T="%.6f" % time.time(), XSCALE_FR_DIR=self.fr_dir,
-                   XSCALE_PROGRESS=step_file(self.log, ".progress"), **self.env)
+        env = dict(os.environ, **self.env)
+        env.update({contract.LAUNCH_TIME_VAR: "%.6f" % time.time(),
+                    contract.FR_DIR_VAR: self.fr_dir,
+                    contract.PROGRESS_VAR: contract.launch_file(self.log, contract.PROGRESS)})
         os.makedirs(self.fr_dir, exist_ok=True)
         with open(self.log, "ab") as log:
             try:
@@ -75,7 +77,7 @@ class Step:
             for name in sorted(set(stop_signals(self.stop_file))):
                 self.forward(getattr(signal, "SIG" + name))
             watch = hangs.HangWatch(self.fr_dir, self.placement, self.command,
-                                    step_file(self.log, ".stack-rank"))
+                                    contract.launch_file(self.log, contract.STACK))
             watch.start()
             status = self.proc.wait()
             watch.stop()
@@ -100,11 +102,6 @@ class Step:
             say("SIG%s received: the ranks save a checkpoint after this step and exit"
                 % STOP_SIGNALS[signum])
             self.proc.send_signal(signum)
-
-
-def step_file(log, suffix):
-    """The step's other records, named after its log: runR-stepS.fr/ and so on."""
-    return log[:-len(".log")] + suffix
 
 
 def remove_if_empty(directory):

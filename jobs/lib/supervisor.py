@@ -36,45 +36,36 @@ import failure_report
 import goodput
 import hangs
 from allocation import Allocation, AllocationError
-from shared import hostlist, records, say
-from steps import Step, step_file, stop_signals
+from attempt import Attempt
+from shared import contract, hostlist, say
+from shared import settings as xscale_settings
+from steps import Step, stop_signals
 
-WHOLE_NUMBER = re.compile(r"^[0-9]+$")
-
-
-class UserError(Exception):
-    """A setting or input the user can fix: one line and status 2."""
+UserError = xscale_settings.UserError  # a setting or input the user can fix: one line and status 2
 
 
 # ---- settings -----------------------------------------------------------------------------------
 
 class Settings:
-    """What the job asked for, from the environment; checked before the first step, so that a
-    typo is one line and exit 2, not a surprise after an hour of training."""
+    """What the job asked for, parsed and checked once from the environment by xscale's table of
+    settings (docs/SETTINGS.md), before the first step: a typo is one line and exit 2, not a
+    surprise after an hour of training."""
 
     def __init__(self, env):
         self.env = env
-        for name in ("XSCALE_MAX_REQUEUES", "XSCALE_MAX_RETRIES"):
-            if name in env and not WHOLE_NUMBER.match(env[name]):
-                raise UserError("%s='%s' is not a whole number" % (name, env[name]))
-        self.max_requeues = int(env.get("XSCALE_MAX_REQUEUES", "20"))
-        self.max_retries = int(env.get("XSCALE_MAX_RETRIES", "3"))
-        self.retry = env.get("XSCALE_RETRY", "0")
-        if self.retry not in ("0", "1"):
-            raise UserError("XSCALE_RETRY='%s' must be 0 or 1" % self.retry)
-        self.blame_files = blame_files(env.get("XSCALE_BLAME", "slurm"))
+        self.max_requeues = xscale_settings.value("XSCALE_MAX_REQUEUES", env)
+        self.max_retries = xscale_settings.value("XSCALE_MAX_RETRIES", env)
+        self.retry = xscale_settings.value("XSCALE_RETRY", env)  # requeue without blamed nodes
+        self.blame_files = blame_files(xscale_settings.value("XSCALE_BLAME", env))
         try:
             self.patterns = failure_report.load_patterns(self.blame_files)
         except failure_report.PatternError as error:
             raise UserError(str(error)) from None
-        for name in ("XSCALE_SPARES", "XSCALE_MAX_RESTARTS"):
-            if name in env and not WHOLE_NUMBER.match(env[name]):
-                raise UserError("%s='%s' is not a whole number" % (name, env[name]))
-        self.spares = int(env.get("XSCALE_SPARES", "0"))
-        self.max_restarts = int(env.get("XSCALE_MAX_RESTARTS", "3"))
+        self.spares = xscale_settings.value("XSCALE_SPARES", env)
+        self.max_restarts = xscale_settings.value("XSCALE_MAX_RESTARTS", env)
         self.job = requeue_id(env)
         self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
-        self.records_dir = env.get("XSCALE_RECORDS_DIR") or os.path.join(
+        self.records_dir = xscale_settings.value("XSCALE_RECORDS_DIR", env) or os.path.join(
             env.get("SLURM_SUBMIT_DIR") or os.getcwd(), "xscale-records", self.job)
 
 
@@ -118,27 +109,27 @@ class JobRecords:
         return self.path("run%d.json" % (self.run if run is None else run))
 
     def load(self, run=None):
-        """The state of run RUN (this one by default); a new one starts with the time the job
+        """Attempt RUN of the job (this one by default); a new one starts with the time the job
         started on its nodes."""
         try:
             with open(self.state_path(run)) as handle:
-                return json.load(handle)
-        except (OSError, ValueError):
-            return {"started": job_start_time(), "steps": [], "requeue": None}
+                return Attempt.loaded(json.load(handle))
+        except (OSError, ValueError, KeyError, TypeError):
+            return Attempt.fresh(job_start_time())
 
     def runs(self):
-        """The states of the job's runs so far, in order (a requeue is a new run)."""
-        return [self.load(run) for run in range(self.run + 1)
+        """The job's attempts so far, in order, as saved (what the goodput ledger reads)."""
+        return [self.load(run).saved() for run in range(self.run + 1)
                 if os.path.exists(self.state_path(run))]
 
-    def save(self, state):
+    def save(self, attempt):
         partial = self.state_path() + ".new"
         with open(partial, "w") as handle:
-            json.dump(state, handle, indent=1)
+            json.dump(attempt.saved(), handle, indent=1)
         os.replace(partial, self.state_path())
 
-    def next_step_log(self, state):
-        return self.path("run%d-step%d.log" % (self.run, len(state["steps"]) + 1))
+    def next_launch_log(self, attempt):
+        return self.path("run%d-step%d.log" % (self.run, len(attempt.launches) + 1))
 
     def retries(self):
         """Retries made so far, in every run: one line each in the history."""
@@ -192,41 +183,37 @@ def command_run(settings, stop_file, command):
     without them, at most XSCALE_MAX_RESTARTS times, the trainer resuming from its checkpoint;
     else requeue the job without them when the script exits, if asked (XSCALE_RETRY=1)."""
     job_records = JobRecords(settings)
-    state = job_records.load()
-    allocation = Allocation.from_env(settings.env, settings.spares, state.get("excluded", []))
+    attempt = job_records.load()
+    allocation = Allocation.from_env(settings.env, settings.spares, attempt.excluded)
     while True:
-        # A status of None: still running, or its supervisor was killed.
-        step = {"log": job_records.next_step_log(state), "status": None,
-                "nodes": allocation.layout(settings.env)[0], "launched": time.time()}
-        state["steps"].append(step)
-        job_records.save(state)
-        launch = Step(allocation.command(command), step["log"], stop_file,
-                      allocation.environment(), allocation.placement(settings.env))
-        step["status"] = launch.run()
-        step["ended"] = time.time()
-        job_records.save(state)
-        if step["status"] == 0 or stop_signals(stop_file) or launch.proc is None:
+        launch = attempt.launch(job_records.next_launch_log(attempt),
+                                allocation.layout(settings.env)[0])
+        job_records.save(attempt)
+        step = Step(allocation.command(command), launch.log, stop_file,
+                    allocation.environment(), allocation.placement(settings.env))
+        launch.ended_with(step.run())
+        job_records.save(attempt)
+        if launch.status == 0 or stop_signals(stop_file) or step.proc is None:
             break  # done; stopped (TERM means stop, a warning leaves no time); never started
-        blamed = report_failure(settings, job_records, step, allocation)
+        blamed = report_failure(settings, job_records, launch, allocation)
         if not blamed:
             break  # a bug in the trainer must not loop
-        if not restart(settings, state, allocation, blamed):
-            retry_without(settings, job_records, state, hostlist.compress(allocation.excluded),
-                          "the failure above")
+        if not restart(settings, attempt, allocation, blamed):
+            retry_without(settings, job_records, attempt,
+                          hostlist.compress(allocation.excluded), "the failure above")
             break
-        job_records.save(state)
-    job_records.save(state)
-    return step["status"]
+        job_records.save(attempt)
+    job_records.save(attempt)
+    return launch.status
 
 
-def restart(settings, state, allocation, blamed):
+def restart(settings, attempt, allocation, blamed):
     """Leave BLAMED out and say so; whether the step can run again in this allocation."""
-    done = state.get("restarts", 0)
+    done = attempt.restarts
     if done >= settings.max_restarts or not allocation.without(blamed):
         allocation.excluded |= set(blamed)
         return False
-    state["restarts"] = done + 1
-    state["excluded"] = sorted(allocation.excluded)
+    attempt.restarting(allocation.excluded)
     say("restart %d of %d: relaunching on %s without %s"
         % (done + 1, settings.max_restarts, hostlist.compress(allocation.step_nodes),
            hostlist.compress(blamed)))
@@ -242,57 +229,54 @@ def command_judge(settings, stop_file):
     jobs itself. A failure was reported as it happened (command_run). Its status is the last
     step's."""
     job_records = JobRecords(settings)
-    state = job_records.load()
-    step = state["steps"][-1] if state["steps"] else {"status": None}
+    attempt = job_records.load()
+    launch = attempt.last
     came = stop_signals(stop_file)
-    status = step["status"]
-    if status is None:
+    if launch is None or launch.status is None:
         say("error: the step's supervisor ended without its status (was it killed?)")
         return 1
-    if came and came[-1] == "USR1" and status == 0:
-        if training_finished(step["log"]):
+    if came and came[-1] == "USR1" and launch.status == 0:
+        if training_finished(launch.log):
             say("the step had finished its training when SIGUSR1 came: no requeue")
         else:
-            state["requeue"] = {"why": "the time limit"}
-    elif status != 0 and came and came[-1] != "TERM" and not step.get("reported"):
+            attempt.requeue_for("the time limit")
+    elif launch.status != 0 and came and came[-1] != "TERM" and not launch.reported:
         # A failure as the warning came: reported, and requeued without what it blames, but
         # not restarted (no time is left for that).
-        allocation = Allocation.from_env(settings.env, settings.spares, state.get("excluded", []))
-        blamed = report_failure(settings, job_records, step, allocation)
+        allocation = Allocation.from_env(settings.env, settings.spares, attempt.excluded)
+        blamed = report_failure(settings, job_records, launch, allocation)
         if blamed:
-            retry_without(settings, job_records, state, hostlist.compress(blamed),
+            retry_without(settings, job_records, attempt, hostlist.compress(blamed),
                           "the failure above")
-    job_records.save(state)
-    return status
+    job_records.save(attempt)
+    return launch.status
 
 
 def training_finished(log):
-    """A step that ran its training to the end says so in its summary (rank 0's XSCALE_SUMMARY,
-    read with the trainers' own reader)."""
-    try:
-        with open(log, errors="replace") as handle:
-            summaries = records.tagged(handle.read().splitlines(), "XSCALE_SUMMARY",
-                                       skip_invalid=True)
-    except OSError:
-        return False
-    return any(summary.get("stopped_early") is False for summary in summaries
-               if isinstance(summary, dict))
+    """A launch that ran its training to the end says so in rank 0's progress notes (its `end`
+    event, not stopped: xscale.contract); one without notes is taken as stopped."""
+    return contract.training_finished(progress_of(log))
 
 
-def report_failure(settings, job_records, step, allocation):
-    """Print the report of a failed step; the nodes it blames."""
-    step["reported"] = True
-    say("the step failed with exit status %d; what srun saw:" % step["status"])
+def progress_of(log):
+    """The progress notes of the launch logged to LOG."""
+    return contract.read_progress(contract.launch_file(log, contract.PROGRESS))
+
+
+def report_failure(settings, job_records, launch, allocation):
+    """Print the report of a failed launch; the nodes it blames."""
+    launch.failed([])
+    say("the step failed with exit status %d; what srun saw:" % launch.status)
     env = settings.env
     nodes, per_node = allocation.layout(env)
     states = node_states(env.get("SLURM_JOB_NODELIST", ""))
-    with open(step["log"] + ".node-states", "w") as handle:
+    with open(contract.launch_file(launch.log, contract.NODE_STATES), "w") as handle:
         handle.write(states)
     placement = allocation.placement(env)
-    hang = hangs.read_hang(step_file(step["log"], ".fr"), placement,
-                           step_file(step["log"], ".stack-rank"))
+    hang = hangs.read_hang(contract.launch_file(launch.log, contract.FLIGHT_RECORDS), placement,
+                           contract.launch_file(launch.log, contract.STACK))
     try:
-        lines, blamed = failure_report.report(step["log"], nodes, per_node, states,
+        lines, blamed = failure_report.report(launch.log, nodes, per_node, states,
                                               settings.patterns, hang,
                                               job_records.last_hang_nodes())
     except (OSError, hostlist.HostlistError) as error:
@@ -302,7 +286,7 @@ def report_failure(settings, job_records, step, allocation):
         say(line)
     if hang is not None:
         job_records.add_hang(hang, placement)
-    step["blamed"] = blamed
+    launch.failed(blamed)
     return blamed
 
 
@@ -319,11 +303,11 @@ def node_states(nodes):
     return proc.stdout if proc.returncode == 0 else ""
 
 
-def retry_without(settings, job_records, state, nodes, why):
+def retry_without(settings, job_records, attempt, nodes, why):
     """Requeue the job without NODES (a Slurm hostlist) when the script exits, if XSCALE_RETRY=1
     and fewer than XSCALE_MAX_RETRIES retries were made. A failure that blames no node never
     comes here: a bug in the trainer must not loop."""
-    if settings.retry != "1":
+    if not settings.retry:
         say("to run again without %s: sbatch --exclude=%s ... (XSCALE_RETRY=1 does it)"
             % (nodes, nodes))
         return
@@ -335,7 +319,7 @@ def retry_without(settings, job_records, state, nodes, why):
     job_records.add_retry(nodes, why)
     say("retry %d of %d: requeueing job %s without %s when this script ends"
         % (done + 1, settings.max_retries, settings.job, nodes))
-    state["requeue"] = {"why": why, "exclude": nodes}
+    attempt.requeue_for(why, exclude=nodes)
 
 
 def command_retry_without(settings, nodes, why):
@@ -346,9 +330,9 @@ def command_retry_without(settings, nodes, why):
     if not nodes:
         return 0
     job_records = JobRecords(settings)
-    state = job_records.load()
-    retry_without(settings, job_records, state, nodes, why)
-    job_records.save(state)
+    attempt = job_records.load()
+    retry_without(settings, job_records, attempt, nodes, why)
+    job_records.save(attempt)
     return 0
 
 
@@ -371,12 +355,12 @@ def command_finish(settings):
     if not os.path.isdir(settings.records_dir):
         return 0
     job_records = JobRecords(settings, create=False)
-    state = job_records.load()
-    if state["steps"]:
-        state["ended"] = time.time()
-        job_records.save(state)
+    attempt = job_records.load()
+    if attempt.launches:
+        attempt.done()
+        job_records.save(attempt)
         report_goodput(job_records)
-    decided = state.get("requeue")
+    decided = attempt.requeue
     if decided and decided.get("exclude"):
         requeue_without(settings.job, decided["exclude"])
     elif decided:
@@ -389,7 +373,7 @@ def report_goodput(job_records):
     for xscale.report, and XSCALE_RECORDS_DIR/goodput.json (jobs/lib/goodput.py). Without the
     trainer's progress notes, what the supervisor saw, and where the rest comes from."""
     runs = job_records.runs()
-    progress = {step["log"]: goodput.read_progress(step_file(step["log"], ".progress"))
+    progress = {step["log"]: progress_of(step["log"])
                 for run in runs for step in run.get("steps", [])}
     if any(progress.values()):
         book = goodput.ledger(runs, lambda step: progress.get(step["log"], []))

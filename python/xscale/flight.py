@@ -31,18 +31,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from xscale import settings
+from xscale import contract, settings
 
-DIR_ENV = "XSCALE_FR_DIR"
 HOLD_S = 30.0  # the supervisor needs a few seconds: the records to settle, py-spy to attach
-RELEASED = "released"
 POLL_S = 0.2
 
 
 def record_failure(error: BaseException) -> None:
     """Write this rank's flight record into XSCALE_FR_DIR and wait for the supervisor's release.
     Nothing without XSCALE_FR_DIR (no supervisor watches) or a process group."""
-    directory = settings.value(DIR_ENV)
+    directory = settings.value(contract.FR_DIR_VAR)
     if not directory or not dist.is_initialized():
         return
     try:
@@ -56,7 +54,7 @@ def record_failure(error: BaseException) -> None:
 def write_record(directory: Path, rank: int, error: BaseException) -> Path:
     """XSCALE_FR_DIR/rank<RANK>, written whole or not at all (torch's own, if its watchdog
     already wrote one, is kept)."""
-    path = directory / f"rank{rank}"
+    path = Path(contract.flight_record(str(directory), rank))
     if path.exists():
         return path
     record = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
@@ -76,5 +74,5 @@ def write_record(directory: Path, rank: int, error: BaseException) -> Path:
 
 def wait_for_release(directory: Path, seconds: float) -> None:
     deadline = time.monotonic() + seconds
-    while not (directory / RELEASED).exists() and time.monotonic() < deadline:
+    while not (directory / contract.RELEASED).exists() and time.monotonic() < deadline:
         time.sleep(POLL_S)

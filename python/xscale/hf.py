@@ -110,6 +110,7 @@ class XscaleTrainer(Trainer):
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.resume_from
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        self.tally.end(self.record.end_step, self.stopped)
         self.saved = _checkpoint_written(self.args.output_dir, self.record)
         if self.stopped and self.ctx.is_main:
             print(runtime.stop_message(runtime.script_name(), self.stop.stopped_at, self.saved),
@@ -304,7 +305,6 @@ class _RunRecord(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.throughput.stop()
         self.end_step = state.global_step
-        self.tally.end(state.global_step)
 
 
 class _ProfileSteps(TrainerCallback):

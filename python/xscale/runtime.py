@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader
 
 from xscale import (
     checkpoint,
+    contract,
     data,
     ds,
     flight,
@@ -172,11 +173,11 @@ class RunTally:
 
     def first_step(self, step: int) -> None:
         first_step_done(self.ctx.device)
-        self.progress.note("first_step", step)
+        self.progress.note(contract.FIRST_STEP, step)
         self._first = (step, time.perf_counter())
 
     def interval(self, step: int) -> None:
-        self.progress.note("interval", step)
+        self.progress.note(contract.INTERVAL, step)
 
     def saved(self, step: int, stall_s: float) -> None:
         """A save held training up `stall_s` (the cost Young's interval is decided from)."""
@@ -187,10 +188,12 @@ class RunTally:
     def waited(self, step: int, stall_s: float) -> None:
         """Training waited `stall_s` for a checkpoint (a save, or a background write)."""
         self.stall_s += stall_s
-        self.progress.note("checkpoint", step, stall_s=stall_s)
+        self.progress.note(contract.CHECKPOINT, step, stall_s=stall_s)
 
-    def end(self, step: int) -> None:
-        self.progress.note("end", step)
+    def end(self, step: int, stopped: bool) -> None:
+        """Training is over, at STEP; STOPPED: at a stop signal (the supervisor requeues the
+        job), else at its end (a warning that came as it ended needs no requeue)."""
+        self.progress.note(contract.END, step, stopped=stopped)
 
     def seconds_per_step(self, step: int) -> float | None:
         """The mean time of the steps since the first (its warm-up left out); None before."""
@@ -436,7 +439,7 @@ class Loop:
         self.log.close()
         self._save()
         self._wait_for_writes()
-        self.tally.end(self.step)
+        self.tally.end(self.step, self.stopped)
         if self.stopped and self.ctx.is_main:
             print(stop_message(self.prog, self.step, self.saved_path), flush=True)
 

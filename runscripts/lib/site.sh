@@ -131,7 +131,7 @@ xs_failure_defaults() {
   xs_default TORCH_FR_BUFFER_SIZE 2000
   if [[ -n ${XSCALE_FR_DIR:-} ]]; then
     xs_default TORCH_NCCL_DUMP_ON_TIMEOUT 1
-    xs_default TORCH_FR_DUMP_TEMP_FILE "$XSCALE_FR_DIR/rank"
+    xs_default TORCH_FR_DUMP_TEMP_FILE "$XSCALE_FR_DIR/rank"  # + N: xscale.contract.RECORD_PREFIX
   fi
   # NCCL_PROXY_DUMP_SIGNAL=N has NCCL install its own handler for signal N (a dump of its proxy
   # state; NCCL's environment variable documentation). Signal 10, SIGUSR1 on Linux, is the

@@ -64,7 +64,7 @@ JOB
     run env "$setting" bash -c \
       "source '$REPO/jobs/lib/supervise.sh'; requeueable_step touch '$WORK/ran'"
     [ "$status" -eq 2 ]
-    [ "$output" = "xscale: error: ${setting%%=*}='${setting#*=}' is not a whole number" ]
+    [ "$output" = "xscale: error: ${setting%%=*}='${setting#*=}' must be a whole number of at least 0" ]
     [ ! -e "$WORK/ran" ]
   done
 }
@@ -113,7 +113,7 @@ JOB
   cat >"$WORK/job.sh" <<JOB
 set -euo pipefail
 source "$REPO/jobs/lib/supervise.sh"
-requeueable_step bash -c "trap '' USR1; kill -USR1 \$\$; echo '0: XSCALE_SUMMARY {\"steps\": 60, \"stopped_early\": false}'"
+requeueable_step bash -c "trap '' USR1; kill -USR1 \$\$; echo '{\"event\": \"end\", \"step\": 60, \"time\": 0, \"stopped\": false}' >>\"\\\$XSCALE_PROGRESS\""
 JOB
   run bash "$WORK/job.sh"
   [ "$status" -eq 0 ]

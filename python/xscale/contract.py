@@ -1,0 +1,90 @@
+"""The contract between the batch host and the ranks: every file, progress event and variable the
+step supervisor (jobs/lib) and the training processes (this package) hand each other, named here
+and nowhere else.
+
+The supervisor keeps each launch of the training (one Slurm step) in the records directory as
+runR-stepS.log (run R of the job, step S of the run). The launch's other files are named after
+its log (launch_file):
+
+    .fr/            XSCALE_FR_DIR: each rank's flight record of a failed collective, rankN
+                    (xscale.flight, torch's watchdog); the supervisor writes .fr/released once it
+                    has read them and the ranks may exit (jobs/lib/hangs.py)
+    .progress       XSCALE_PROGRESS: rank 0's progress notes, one JSON line per event (below),
+                    for the goodput ledger and for whether the training finished
+    .stack-rankN.txt  the Python stack of rank N that left no flight record (py-spy)
+    .node-states    Slurm's view of the nodes after a failure (sinfo)
+
+The progress events, each {"event": ..., "step": ..., "time": time.time()} plus its fields:
+
+    first_step      the launch's first optimizer step is done: the start-up ends
+    interval        each log interval (the stop vote)
+    checkpoint      training was held up stall_s seconds by a checkpoint
+    end             training is over (evaluation may follow); stopped: it ended at a stop signal
+
+Every launch also gets XSCALE_LAUNCH_T, when the supervisor launched it (docs/STARTUP.md).
+
+Standard library only, and Python 3.6: the host's programs load this file by path
+(jobs/lib/shared.py), where the package itself does not import.
+"""
+
+import json
+import os
+import time
+
+# Variables the supervisor hands to every rank of a launch.
+FR_DIR_VAR = "XSCALE_FR_DIR"
+PROGRESS_VAR = "XSCALE_PROGRESS"
+LAUNCH_TIME_VAR = "XSCALE_LAUNCH_T"
+
+# A launch's files, after its log's name (without .log).
+FLIGHT_RECORDS = ".fr"
+PROGRESS = ".progress"
+STACK = ".stack-rank"
+NODE_STATES = ".node-states"
+RECORD_PREFIX = "rank"  # FLIGHT_RECORDS/rankN
+RELEASED = "released"  # FLIGHT_RECORDS/released
+
+# Progress events.
+FIRST_STEP, INTERVAL, CHECKPOINT, END = "first_step", "interval", "checkpoint", "end"
+
+
+def launch_file(log, suffix):
+    """The launch's file SUFFIX, named after its log runR-stepS.log."""
+    return log[:-len(".log")] + suffix
+
+
+def progress_line(event, step, **fields):
+    """One progress note, as rank 0 appends it to XSCALE_PROGRESS."""
+    return json.dumps(dict({"event": event, "step": step, "time": time.time()}, **fields))
+
+
+def read_progress(path):
+    """The events noted in PATH, oldest first; a line cut short (its node died) is passed
+    over, and a launch without notes has none."""
+    events = []
+    try:
+        with open(path) as handle:
+            for line in handle:
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return events
+
+
+def first(events, name):
+    """The first event called NAME, or None."""
+    return next((event for event in events if event.get("event") == name), None)
+
+
+def training_finished(events):
+    """Whether the launch's training ran to its end rather than stopping at a signal."""
+    end = first(events, END)
+    return end is not None and end.get("stopped") is False
+
+
+def flight_record(fr_dir, rank):
+    """Where rank RANK writes its flight record."""
+    return os.path.join(fr_dir, f"{RECORD_PREFIX}{rank}")
