@@ -20,6 +20,7 @@ from xscale import contract, goodput_model
 from tests.helpers import host_module
 
 allocation = host_module("allocation")
+launch_line = host_module("launch_line")
 goodput = host_module("goodput")
 
 FOUR_NODES = {"SLURM_JOB_NODELIST": "nid[001-004]", "SLURM_TASKS_PER_NODE": "2(x4)"}
@@ -27,10 +28,17 @@ FOUR_NODES = {"SLURM_JOB_NODELIST": "nid[001-004]", "SLURM_TASKS_PER_NODE": "2(x
 
 # ---- allocation -----------------------------------------------------------------------------
 
+def training_line():
+    """The local prelude's launch line, as its parts (jobs/lib/launch_line.py)."""
+    return launch_line.LaunchLine(["python", "train.py"], ["--label"], "img.sif", "/pfs",
+                                  "/runscripts/run.sh")
+
+
 def test_without_spares_the_step_runs_as_the_template_wrote_it():
     nodes = allocation.Allocation.from_env(FOUR_NODES, spares=0)
-    command = ["srun", "--label", "python", "train.py"]
-    assert nodes.command(command) == command
+    assert nodes.placed(training_line()).argv() == [
+        "srun", "--label", "singularity", "exec", "-B", "/pfs", "img.sif", "/runscripts/run.sh",
+        "python", "train.py"]
     assert nodes.environment() == {}
     assert nodes.layout(FOUR_NODES) == ("nid[001-004]", "2(x4)")
     assert nodes.placement(FOUR_NODES)[7] == "nid004"
@@ -38,16 +46,16 @@ def test_without_spares_the_step_runs_as_the_template_wrote_it():
 
 def test_a_spare_waits_and_takes_the_place_of_a_blamed_node():
     nodes = allocation.Allocation.from_env(FOUR_NODES, spares=1)
-    assert nodes.command(["/usr/bin/srun", "--label", "python"]) == [
-        "/usr/bin/srun", "--nodes=3", "--ntasks=6", "--nodelist=nid[001-003]", "--label", "python"]
+    assert nodes.placed(training_line()).argv()[:5] == [
+        "srun", "--nodes=3", "--ntasks=6", "--nodelist=nid[001-003]", "--label"]
     assert nodes.environment() == {"MASTER_ADDR": "nid001"}
     # The rank-0 node fails: the survivors keep their places, the spare joins, the rendezvous
     # moves to the first node of the new step.
     assert nodes.without(["nid001"])
     assert nodes.step_nodes == ["nid002", "nid003", "nid004"]
     # Beside the failed step, which Slurm may never complete (allocation.py says why).
-    assert nodes.command(["srun", "python"]) == [
-        "srun", "--nodes=3", "--ntasks=6", "--nodelist=nid[002-004]", "--overlap", "python"]
+    assert nodes.placed(training_line()).argv()[:6] == [
+        "srun", "--nodes=3", "--ntasks=6", "--nodelist=nid[002-004]", "--overlap", "--label"]
     assert nodes.environment() == {"MASTER_ADDR": "nid002"}
     assert nodes.layout(FOUR_NODES) == ("nid[002-004]", "2(x3)")
     assert nodes.placement(FOUR_NODES) == {0: "nid002", 1: "nid002", 2: "nid003", 3: "nid003",
@@ -62,9 +70,14 @@ def test_nodes_excluded_before_stay_out_of_a_later_step():
     assert nodes.step_nodes == ["nid001", "nid003", "nid004"]
 
 
-def test_a_command_that_is_not_srun_is_left_alone():
-    nodes = allocation.Allocation.from_env(FOUR_NODES, spares=1)
-    assert nodes.command(["mpiexec", "-n", "6"]) == ["mpiexec", "-n", "6"]
+def test_a_command_given_whole_runs_as_it_is_and_cannot_be_moved():
+    """The supervisor changes only the launch lines it builds: a script's own line runs as it
+    is, and asking to move it (spares) is one line, before any launch."""
+    whole = launch_line.LaunchLine.whole(["srun", "-n", "6", "python", "train.py"])
+    assert allocation.Allocation.from_env(FOUR_NODES, spares=0).placed(whole).argv() == \
+        ["srun", "-n", "6", "python", "train.py"]
+    with pytest.raises(allocation.AllocationError, match="not a command given whole"):
+        allocation.Allocation.from_env(FOUR_NODES, spares=1).placed(whole)
 
 
 @pytest.mark.parametrize("env, spares, message", [

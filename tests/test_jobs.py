@@ -73,42 +73,6 @@ def test_there_are_the_lumi_templates_the_scenarios_need():
     assert AURORA
 
 
-# The templates source them: the site preludes and what they source.
-HOST_LIBS = sorted(str(path.relative_to(REPO)) for path in (REPO / "jobs" / "lib").glob("*.sh"))
-
-
-def test_every_template_is_shellcheck_clean():
-    proc = subprocess.run(
-        ["shellcheck", "-s", "bash", *map(str, LUMI + LOCAL + AURORA), *HOST_LIBS],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout
-
-
-def code_lines(path: Path) -> int:
-    """Lines that are neither blank nor a comment (an #SBATCH line is a comment to bash)."""
-    return sum(1 for line in path.read_text().splitlines()
-               if line.strip() and not line.lstrip().startswith("#"))
-
-
-def is_bash(path: Path) -> bool:
-    first = path.read_text().partition("\n")[0]
-    return path.suffix == ".sh" or first.startswith("#!") and first.endswith("bash")
-
-
-def test_templates_stay_a_minute_s_read_and_host_side_bash_stays_small():
-    """What a user copies is parameters and one training line; logic with data structures
-    belongs in jobs/lib/'s Python (docs/ARCHITECTURE.md, "The batch side")."""
-    too_long = {path.name: code_lines(path) for path in LUMI if code_lines(path) > 20}
-    assert not too_long, f"LUMI templates over 20 lines of code: {too_long}"
-    host_bash = [path for path in (REPO / "jobs" / "lib").iterdir()
-                 if path.is_file() and is_bash(path)]
-    assert len(host_bash) >= 5, host_bash  # the preludes, supervise.sh, cpu-masks at least
-    too_long = {path.name: n for path in host_bash if (n := len(path.read_text().splitlines()))
-                > 100}
-    assert not too_long, f"bash files in jobs/lib/ over 100 lines: {too_long}"
-
-
 def sbatch_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("#SBATCH")]
 

@@ -21,7 +21,7 @@ from tests.helpers import JOBS_LIB, assert_python36_code, find_python36, host_mo
 # Everything the batch host runs or imports in Python.
 HOST_PYTHON = [*(JOBS_LIB / f"{name}.py" for name in ("supervisor", "failure_report", "shared",
                                                       "hangs", "steps", "allocation", "goodput",
-                                                      "attempt")),
+                                                      "attempt", "launch_line")),
                JOBS_LIB / "stage", JOBS_LIB / "stage-node",
                REPO / "runscripts" / "lib" / "rank_stack.py",
                *(REPO / "python" / "xscale" / f"{name}.py" for name in ("records", "archive",
@@ -213,15 +213,19 @@ def test_no_timeout_no_hang_and_late_records_do_not_count(tmp_path):
     assert hang.stacks == {3: ['Thread 7 (idle): "MainThread"', "    step (train.py:9)"]}
 
 
-def test_a_step_runs_its_stack_reader_in_its_own_image():
-    hangs = host_module("hangs")
-    step = ["srun", "--label", "singularity", "exec", "-B", "/pfs,/x:/runscripts", "img.sif",
-            "/runscripts/run.sh", "python", "train.py"]
-    assert hangs.in_image(step) == (["singularity", "exec", "-B", "/pfs,/x:/runscripts",
-                                     "img.sif"], "/runscripts")
-    assert hangs.in_image(["srun", "/opt/xs/runscripts/run-profile.sh", "python"]) == (
-        [], "/opt/xs/runscripts")
-    assert hangs.in_image(["srun", "python", "train.py"]) is None
+def test_a_stack_reader_runs_in_the_launch_s_image_beside_its_ranks():
+    """The py-spy line is built from the launch line's parts, not found in its argv."""
+    line = host_module("launch_line").LaunchLine(
+        ["python", "train.py"], ["--label"], "img.sif", "/pfs,/x:/runscripts",
+        "/runscripts/run-profile.sh", runtime="apptainer")
+    assert line.probe("nid002", ["python3", "/runscripts/lib/rank_stack.py"]) == [
+        "srun", "--overlap", "--nodelist=nid002", "--nodes=1", "--ntasks=1",
+        "--kill-on-bad-exit=0", "apptainer", "exec", "-B", "/pfs,/x:/runscripts", "img.sif",
+        "python3", "/runscripts/lib/rank_stack.py"]
+    assert line.runscripts == "/runscripts"
+    whole = host_module("launch_line").LaunchLine.whole(["srun", "python", "train.py"])
+    assert whole.probe("nid002", ["python3"]) is None
+    assert host_module("hangs").read_stack(whole, "nid002", "5.0", 3).startswith("no stack: ")
 
 
 def test_a_node_is_blamed_for_a_hang_only_when_it_hung_in_the_attempt_before(tmp_path):

@@ -3,15 +3,14 @@
 With XSCALE_SPARES=S the job allocates its --nodes and the step runs on all but the last S of
 them; the spares wait. When a step fails and its report blames nodes, the supervisor relaunches
 the step at once without them, on the nodes that are left, spares first in, as long as enough
-are left for the same number of nodes (and so the same world size and global batch). The srun
-line gets the nodes and the task count as options right after `srun`, and the ranks their
-rendezvous on the first of those nodes (MASTER_ADDR). A step whose nodes were never changed
+are left for the same number of nodes (and so the same world size and global batch). The launch
+line (jobs/lib/launch_line.py) gets the nodes and the task count, and the ranks their rendezvous
+on the first of those nodes (MASTER_ADDR). A step whose nodes were never changed
 runs exactly as the template wrote it.
 
 Standard library only, Python 3.6 and later: the batch host's system Python.
 """
 
-import os
 import re
 
 from shared import hostlist
@@ -70,21 +69,22 @@ class Allocation:
         self.moved = True
         return True
 
-    def command(self, command):
-        """COMMAND on the step's nodes: unchanged until spares or a restart move the step.
+    def placed(self, line):
+        """LINE (a LaunchLine) on the step's nodes: unchanged until spares or a restart move
+        the step.
 
         A restart also shares the nodes with the failed step (--overlap): when its ranks on the
         healthy nodes ended before Slurm declared the dead node down, Slurm never completes that
         step, and a new step waits for its CPUs for good ("step creation temporarily disabled
         ... Requested nodes are busy"; seen on the test bed, and nebius/soperator#854)."""
-        if not self.moved or os.path.basename(command[0]) != "srun":
-            return list(command)
-        nodes = len(self.step_nodes)
-        options = ["--nodes=%d" % nodes, "--ntasks=%d" % (nodes * self.per_node),
-                   "--nodelist=" + hostlist.compress(self.step_nodes)]
-        if self.excluded:
-            options.append("--overlap")
-        return [command[0]] + options + list(command[1:])
+        if not self.moved:
+            return line
+        if not line.built:
+            raise AllocationError("XSCALE_SPARES and restarts move the training to other nodes: "
+                                  "they need the launch line the site prelude builds "
+                                  "(xs_local_train, xs_lumi_train), not a command given whole")
+        return line.on(len(self.step_nodes), self.per_node,
+                       hostlist.compress(self.step_nodes), overlap=bool(self.excluded))
 
     def environment(self):
         """The rendezvous on the step's first node, when the step moved."""

@@ -57,11 +57,12 @@ def records(fr_dir):
 
 class HangWatch(threading.Thread):
     """Started with the step, stopped when it ends. RANKS: rank -> node, the step's placement;
-    COMMAND: the step's command line, which says how to run a program in its image."""
+    LINE: the launch line (jobs/lib/launch_line.py), which says how to run a program in its
+    image."""
 
-    def __init__(self, fr_dir, ranks, command, stacks_prefix):
+    def __init__(self, fr_dir, ranks, line, stacks_prefix):
         super().__init__(daemon=True)
-        self.fr_dir, self.ranks, self.command = fr_dir, ranks, command
+        self.fr_dir, self.ranks, self.line = fr_dir, ranks, line
         self.stacks_prefix = stacks_prefix
         self.done = threading.Event()
 
@@ -92,7 +93,7 @@ class HangWatch(threading.Thread):
         release(self.fr_dir, sorted(seen))
 
     def save_stack(self, rank, job_step):
-        text = read_stack(self.command, self.ranks[rank], job_step, rank)
+        text = read_stack(self.line, self.ranks[rank], job_step, rank)
         with open("%s%d.txt" % (self.stacks_prefix, rank), "w") as handle:
             handle.write(text)
 
@@ -114,28 +115,13 @@ def recorded_before_release(fr_dir):
         return None
 
 
-def in_image(command):
-    """(the part of the step's command line that runs a program in its image, `singularity exec
-    [OPTIONS] IMAGE` or apptainer's, empty without one; runscripts/ as that program sees it: where
-    the step's run.sh or run-profile.sh is), or None when the step runs neither."""
-    for index, word in enumerate(command):
-        if os.path.basename(word) in ("run.sh", "run-profile.sh"):
-            starts = [at for at in range(index)
-                      if os.path.basename(command[at]) in ("singularity", "apptainer")]
-            prefix = command[starts[0]:index] if starts else []
-            return prefix, os.path.dirname(word)
-    return None
-
-
-def read_stack(command, node, job_step, rank):
-    """RANK's Python stack, read on NODE while the step still runs; or why not, in one line."""
-    image = in_image(command)
-    if image is None:
-        return "no stack: the step runs no runscripts/run.sh to find py-spy by\n"
-    prefix, runscripts = image
-    reader = ["srun", "--overlap", "--nodelist=" + node, "--nodes=1", "--ntasks=1",
-              "--kill-on-bad-exit=0"] + prefix + [
-        "python3", os.path.join(runscripts, "lib", "rank_stack.py"), job_step, str(rank)]
+def read_stack(line, node, job_step, rank):
+    """RANK's Python stack, read on NODE while the step still runs, with py-spy in the step's
+    image (runscripts/lib/rank_stack.py beside its entrypoint); or why not, in one line."""
+    if line.runscripts is None:
+        return "no stack: the step was given whole, not built around runscripts/run.sh\n"
+    reader = line.probe(node, ["python3", os.path.join(line.runscripts, "lib", "rank_stack.py"),
+                               job_step, str(rank)])
     try:
         proc = subprocess.run(reader, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               universal_newlines=True, timeout=STACK_TIMEOUT_S)

@@ -26,6 +26,6 @@ source "$XSCALE_ROOT/jobs/lib/supervise.sh"
 # leaving the others hanging. --cpu-bind=none: a virtual node's 2 cores are shared by its ranks.
 xs_local_train() {
   : "${XSCALE_RECORDS_DIR:=$OUTPUT_DIR/xscale-records}"
-  requeueable_step srun --label --kill-on-bad-exit=1 --cpu-bind=none \
-    singularity exec -B "$BINDS" "$SIF" /runscripts/run.sh "$@"
+  requeueable_launch "$SIF" "$BINDS" /runscripts/run.sh \
+    --label --kill-on-bad-exit=1 --cpu-bind=none -- "$@"
 }

@@ -68,8 +68,8 @@ source "$XSCALE_ROOT/jobs/lib/supervise.sh"
 # that dies ends the step, not left hanging in a collective until the time limit.
 xs_lumi_train() {
   : "${XSCALE_RECORDS_DIR:=$OUTPUT_DIR/xscale-records}"
-  requeueable_step srun --label --kill-on-bad-exit=1 --cpu-bind=mask_cpu:"$CPU_MASKS" \
-    singularity exec -B "$BINDS" "$SIF" "/runscripts/$RUNSCRIPT" "$@"
+  requeueable_launch "$SIF" "$BINDS" "/runscripts/$RUNSCRIPT" \
+    --label --kill-on-bad-exit=1 --cpu-bind=mask_cpu:"$CPU_MASKS" -- "$@"
 }
 
 # xs_lumi_run [SRUN OPTIONS...] -- CMD [ARGS...]: another step in the image, unsupervised.

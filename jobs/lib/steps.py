@@ -37,11 +37,11 @@ def stop_signals(stop_file):
 
 
 class Step:
-    """COMMAND (the srun line) logged to LOG, with ENV added to its environment and PLACEMENT
-    (rank -> node) for its hang watch."""
+    """LINE (a LaunchLine: jobs/lib/launch_line.py) run and logged to LOG, with ENV added to its
+    environment and PLACEMENT (rank -> node) for its hang watch."""
 
-    def __init__(self, command, log, stop_file, env, placement):
-        self.command, self.log, self.stop_file = command, log, stop_file
+    def __init__(self, line, log, stop_file, env, placement):
+        self.line, self.log, self.stop_file = line, log, stop_file
         self.env, self.placement = env, placement
         self.proc = None
         self.forwarded = set()
@@ -64,10 +64,11 @@ class Step:
         os.makedirs(self.fr_dir, exist_ok=True)
         with open(self.log, "ab") as log:
             try:
-                self.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
+                argv = self.line.argv()
+                self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT)
             except OSError as error:
-                say("cannot start the step: %s: %s" % (self.command[0], error.strerror))
+                say("cannot start the step: %s: %s" % (argv[0], error.strerror))
                 return 127
             copier = threading.Thread(target=copy_output, args=(self.proc.stdout, log),
                                       daemon=True)
@@ -76,7 +77,7 @@ class Step:
             # it on to.
             for name in sorted(set(stop_signals(self.stop_file))):
                 self.forward(getattr(signal, "SIG" + name))
-            watch = hangs.HangWatch(self.fr_dir, self.placement, self.command,
+            watch = hangs.HangWatch(self.fr_dir, self.placement, self.line,
                                     contract.launch_file(self.log, contract.STACK))
             watch.start()
             status = self.proc.wait()

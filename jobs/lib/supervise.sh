@@ -9,6 +9,8 @@
 #   source "$XSCALE_ROOT/jobs/lib/supervise.sh"
 #   requeueable_step srun --label --kill-on-bad-exit=1 ... /runscripts/run.sh python train.py ...
 #
+# (the site preludes build their line from its parts instead: requeueable_launch, below).
+#
 # The decisions are supervisor.py's: the step's log, the time-limit requeue, the failure report,
 # the nodes to blame and the retry without them (docs/FAILURES.md). This file holds what only the
 # batch shell can do. `B:` signals the batch shell alone, and scancel's TERM reaches it too, so it
@@ -46,18 +48,35 @@ xs_on_stop() {
 trap 'xs_on_stop USR1' USR1
 trap 'xs_on_stop TERM' TERM
 
-# requeueable_step CMD [ARGS...]: run CMD (the srun line) under the supervisor and return its
-# exit status; a setting that is wrong stops the script first, one line and exit 2. The
-# supervisor starts with the stop signals ignored, until it has its own handlers: one that comes
-# meanwhile is in the stop file, which it reads once the step is launched. Its status is read
-# from its records, not from `wait`: a wait interrupted by a trap just as the step ends returns
-# 128+N, and the next one of bash 5.2 sometimes returns -1 (1 run in 5, tests/bats/supervise.bats).
+# requeueable_launch IMAGE BINDS ENTRYPOINT SRUN_OPTION... -- CMD [ARGS...]: the training launch,
+# built by the supervisor from these parts (jobs/lib/launch_line.py): srun with the options, then
+# ENTRYPOINT (/runscripts/run.sh) in IMAGE with BINDS, then CMD. Spare nodes and restarts move it
+# by changing its parts; the site preludes' xs_*_train call it.
+requeueable_launch() {
+  local -a parts=(--image "$1" --bind "$2" --entrypoint "$3")
+  shift 3
+  while (($#)) && [[ $1 != -- ]]; do parts+=("--srun-option=$1"); shift; done
+  xs_supervised_run "${parts[@]}" "$@"
+}
+
+# requeueable_step CMD [ARGS...]: CMD (a script's own srun line, given whole) run as it is under
+# the supervisor, with the same stop, requeue and report; it cannot be moved to spare nodes.
 requeueable_step() {
+  xs_supervised_run -- "$@"
+}
+
+# xs_supervised_run RUN_ARGS...: supervisor.py run RUN_ARGS, returning the launch's exit status;
+# a setting that is wrong stops the script first, one line and exit 2. The supervisor starts
+# with the stop signals ignored, until it has its own handlers: one that comes meanwhile is in
+# the stop file, which it reads once the step is launched. Its status is read from its records,
+# not from `wait`: a wait interrupted by a trap just as the step ends returns 128+N, and the next
+# one of bash 5.2 sometimes returns -1 (1 run in 5, tests/bats/supervise.bats).
+xs_supervised_run() {
   xs_supervisor check || exit 2
   XS_SUPERVISED=1
   (
     trap '' USR1 TERM
-    exec python3 "$XS_SUPERVISOR" --stop-file "$XS_STOP_FILE" run -- "$@"
+    exec python3 "$XS_SUPERVISOR" --stop-file "$XS_STOP_FILE" run "$@"
   ) &
   XS_STEP_PID=$!
   while kill -0 "$XS_STEP_PID" 2>/dev/null; do

@@ -37,6 +37,7 @@ import goodput
 import hangs
 from allocation import Allocation, AllocationError
 from attempt import Attempt
+from launch_line import LaunchLine
 from shared import contract, hostlist, say
 from shared import settings as xscale_settings
 from steps import Step, stop_signals
@@ -177,7 +178,7 @@ def job_start_time():
 
 # ---- run: the step, and its restarts inside the allocation -------------------------------------
 
-def command_run(settings, stop_file, command):
+def command_run(settings, stop_file, line):
     """Run the step on the allocation's step nodes. When it fails, report it; when the report
     blames nodes and enough healthy ones are left (spares, XSCALE_SPARES), relaunch it at once
     without them, at most XSCALE_MAX_RESTARTS times, the trainer resuming from its checkpoint;
@@ -186,11 +187,12 @@ def command_run(settings, stop_file, command):
     attempt = job_records.load()
     allocation = Allocation.from_env(settings.env, settings.spares, attempt.excluded)
     while True:
+        placed = allocation.placed(line)
         launch = attempt.launch(job_records.next_launch_log(attempt),
                                 allocation.layout(settings.env)[0])
         job_records.save(attempt)
-        step = Step(allocation.command(command), launch.log, stop_file,
-                    allocation.environment(), allocation.placement(settings.env))
+        step = Step(placed, launch.log, stop_file, allocation.environment(),
+                    allocation.placement(settings.env))
         launch.ended_with(step.run())
         job_records.save(attempt)
         if launch.status == 0 or stop_signals(stop_file) or step.proc is None:
@@ -424,6 +426,14 @@ def scontrol(*args):
     return proc.stdout if proc.returncode == 0 else None
 
 
+def launch_line(args):
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.entrypoint is None:
+        return LaunchLine.whole(command)
+    return LaunchLine(command, args.srun_option, args.image, args.bind, args.entrypoint,
+                      args.runtime)
+
+
 # ---- command line ----------------------------------------------------------------------------
 
 def main(argv=None):
@@ -431,7 +441,14 @@ def main(argv=None):
     parser.add_argument("--stop-file", help="the stop signals the batch shell received")
     verbs = parser.add_subparsers(dest="verb")
     verbs.add_parser("check")
-    run = verbs.add_parser("run")
+    run = verbs.add_parser("run", help="the launch line's parts (jobs/lib/launch_line.py), or a "
+                           "command given whole")
+    run.add_argument("--srun-option", action="append", default=[], metavar="OPTION",
+                     help="an option of srun's, as --srun-option=--label")
+    run.add_argument("--image", help="the container image the entrypoint runs in")
+    run.add_argument("--bind", help="its -B list")
+    run.add_argument("--runtime", default="singularity", help="singularity or apptainer")
+    run.add_argument("--entrypoint", help="runscripts/run.sh's path in the image")
     run.add_argument("command", nargs=argparse.REMAINDER)
     verbs.add_parser("judge")
     retry = verbs.add_parser("retry-without")
@@ -446,8 +463,7 @@ def main(argv=None):
             Allocation.from_env(settings.env, settings.spares)
             return 0
         if args.verb == "run":
-            command = args.command[1:] if args.command[:1] == ["--"] else args.command
-            return command_run(settings, args.stop_file, command)
+            return command_run(settings, args.stop_file, launch_line(args))
         if args.verb == "judge":
             return command_judge(settings, args.stop_file)
         if args.verb == "retry-without":
