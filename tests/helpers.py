@@ -18,22 +18,22 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from xscale import records
+from xscale import taglines
 
 
 def tagged_records(output: str, tag: str) -> list[dict]:
     """Every `TAG {json}` line in the output, in order: after srun --label's `RANK: `, and
-    joined again where srun --label cut it (xscale.records.unsplit)."""
-    return records.tagged(output.splitlines(), tag)
+    joined again where srun --label cut it (xscale.taglines.unsplit)."""
+    return taglines.tagged(output.splitlines(), tag)
 
 
 def summary(output: str) -> dict:
     """The last run's whole summary: from the file its XSCALE_SUMMARY line names, else the line
-    (xscale.records.whole_summary); fails loudly (with the output) when there is no line."""
+    (xscale.taglines.whole_summary); fails loudly (with the output) when there is no line."""
     found = tagged_records(output, "XSCALE_SUMMARY")
     if not found:
         raise AssertionError(f"no XSCALE_SUMMARY line in output:\n{output[-4000:]}")
-    return records.whole_summary(found[-1])
+    return taglines.whole_summary(found[-1])
 
 
 def whole_summary_lines(output: str) -> list[dict]:
@@ -50,6 +50,48 @@ def whole_summary_lines(output: str) -> list[dict]:
     assert {name: whole.get(name) for name in last} == last, (last, whole)
     assert isinstance(whole["startup"], dict) and "startup" not in last, whole
     return found
+
+
+# The type every common field has in every trainer's summary (None: it may be null).
+SUMMARY_TYPES = {
+    "trainer": str, "world_size": int, "nodes": int, "device": str, "backend": (str, None),
+    "start_step": int, "steps": int, "batch_size": int, "global_batch_size": int,
+    "accumulation": int, "samples_per_s": float, "samples_per_s_per_rank": float,
+    "tokens_per_s": (float, None), "loss_first": float, "loss_last": float, "seconds": float,
+    "train_seconds": float, "stopped_early": bool, "signal": (str, None),
+    "checkpoint": (str, None), "checkpoint_stall_s": float, "checkpoints_saved": int,
+    "startup": dict, "straggler": (dict, None), "summary_file": str,
+}
+
+
+def check_summary_schema(output: str, trainer: str) -> dict:
+    """The one summary schema every trainer ends with (xscale.runlog.SUMMARY_FIELDS, in that
+    order, then the trainer's own fields): whole in the file, and less the per-phase start-up
+    detail in its last XSCALE_SUMMARY line, what `xscale report`, the benchmarks and users
+    read, whichever trainer wrote it. The whole record."""
+    from xscale.runlog import FILE_ONLY, SUMMARY_FIELDS
+
+    assert set(SUMMARY_TYPES) == set(SUMMARY_FIELDS)
+    line = tagged_records(output, "XSCALE_SUMMARY")[-1]
+    record = json.loads(Path(line["summary_file"]).read_text())
+    assert tuple(record)[:len(SUMMARY_FIELDS)] == SUMMARY_FIELDS, list(record)
+    assert line == {name: value for name, value in record.items() if name not in FILE_ONLY}
+    for field, kind in SUMMARY_TYPES.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        value = record[field]
+        assert (value is None and None in kinds) or isinstance(
+            value, tuple(k for k in kinds if k is not None)), (field, value)
+    assert record["trainer"] == trainer, record
+    assert record["checkpoint"] is None or Path(record["checkpoint"]).exists(), record
+    # What the saves held training up is part of the run's time.
+    assert 0 <= record["checkpoint_stall_s"] <= record["seconds"], record
+    assert (record["tokens_per_s"] is not None) == (trainer == "gpt_neo_imdb"), record
+    assert record["global_batch_size"] == (
+        record["batch_size"] * record["accumulation"] * record["world_size"]), record
+    # Every trainer marks the end of its imports, the group and its first step.
+    for phase in ("imports", "group", "first_step"):
+        assert record["startup"][phase]["slowest"] >= 0, (phase, record["startup"])
+    return record
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str,

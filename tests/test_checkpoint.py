@@ -179,7 +179,7 @@ def test_training_state_round_trip_restores_weights_optimizer_and_random_stream(
 
 def test_a_staged_state_keeps_tied_weights_one_tensor():
     shared = torch.ones(3)
-    copy = checkpoint.staged({"embedding": shared, "output": shared, "step": 7})
+    copy = checkpoint.host_copies({"embedding": shared, "output": shared, "step": 7})
     assert copy["embedding"] is copy["output"] and copy["embedding"] is not shared
     shared.add_(1.0)
     assert torch.equal(copy["output"], torch.ones(3)) and copy["step"] == 7

@@ -233,7 +233,7 @@ def test_time_limit_stops_saves_requeues_and_resumes(cluster, mnist_data, tmp_pa
     text = output.read_text()
     assert state == "COMPLETED", text[-3000:]
     assert "requeueing job" in text
-    assert "xscale: the step failed" not in text  # the stopped step exited 0
+    assert "xscale: the launch failed" not in text  # the stopped step exited 0
     first, second = tagged_records(text, "XSCALE_SUMMARY")
     assert (first["stopped_early"], first["signal"]) == (True, "SIGUSR1")
     assert every <= first["steps"] < total_steps
@@ -514,7 +514,7 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
     records = out_dir / "xscale-records"
     # The records the hang was read from (torch's analyzer reads them too): the three that
     # waited wrote theirs in time; rank 3's, if any, came after Slurm continued it to end it.
-    flight = records / "run0-step1.fr"
+    flight = records / "attempt0-launch1.fr"
     assert {"rank0", "rank1", "rank2"} <= {path.name for path in flight.glob("rank*")}
     assert json.loads((flight / "released").read_text()) == {"recorded": [0, 1, 2]}
     assert json.loads((records / "hangs").read_text())["nodes"] == ["nid002"]
@@ -533,7 +533,7 @@ def test_a_crashed_node_s_step_restarts_on_the_spare_without_a_requeue(cluster, 
         nodes = job_nodes(job_id)
         crashed = nodes[1]  # one of the three training nodes; nodes[3] is the spare
         # Past the first checkpoint, long before the second: the crash throws work away.
-        progress = out_dir / "xscale-records" / "run0-step1.progress"
+        progress = out_dir / "xscale-records" / "attempt0-launch1.progress"
         wait_for(lambda: progress.exists() and any(
             json.loads(line)["step"] > SPARE_EVERY for line in progress.read_text().splitlines()
             if line.endswith("}")), 240, "progress past the first checkpoint")
@@ -559,7 +559,7 @@ def test_a_crashed_node_s_step_restarts_on_the_spare_without_a_requeue(cluster, 
     assert 0 < ledger["goodput"] < 1, ledger
     records = out_dir / "xscale-records"
     resumed_at = next(json.loads(line)["time"] for line in
-                      (records / "run0-step2.progress").read_text().splitlines()
+                      (records / "attempt0-launch2.progress").read_text().splitlines()
                       if json.loads(line)["event"] == "first_step")
     goodput_line = next(line for line in text.splitlines() if line.startswith("xscale: goodput:"))
     report = subprocess.run([str(VENV_BIN / "xscale"), "report", str(output)],
@@ -578,7 +578,7 @@ def test_a_second_crash_with_one_spare_falls_back_to_the_requeue(cluster, mnist_
         wait_for(lambda: any(out_dir.glob("ckpt-*.pt")), 240, "the first checkpoint")
         crash(nodes[1])
         wait_for(lambda: "xscale: restart 1 of 3" in output.read_text(), 180, "the restart")
-        wait_for(lambda: (out_dir / "xscale-records" / "run0-step2.progress").exists(), 240,
+        wait_for(lambda: (out_dir / "xscale-records" / "attempt0-launch2.progress").exists(), 240,
                  "the restarted step's first step")
         crash(nodes[2])
         # Requeued, then given its ExcNodeList (supervisor.py's requeue_without says why).
@@ -603,7 +603,7 @@ def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):
         # The rank exits once srun has passed its line on to the step's log: exiting at once,
         # it lost the race with srun ending the step on its exit (the line never came, once).
         wait_for_the_line() {{
-          local log=$XSCALE_RECORDS_DIR/run${{SLURM_RESTART_COUNT:-0}}-step1.log
+          local log=$XSCALE_RECORDS_DIR/attempt${{SLURM_RESTART_COUNT:-0}}-launch1.log
           for _ in {{1..300}}; do
             grep -qF "HW Exception" "$log" 2>/dev/null && return
             sleep 0.1

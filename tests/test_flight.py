@@ -44,7 +44,7 @@ def run_trainer(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_failed_collective_leaves_the_rank_s_flight_record(tmp_path):
-    fr_dir = tmp_path / "run0-step1.fr"
+    fr_dir = tmp_path / "attempt0-launch1.fr"
     fr_dir.mkdir()
     (fr_dir / "released").write_text("{}")  # the supervisor has looked already: no wait
     proc = run_trainer(tmp_path, XSCALE_FR_DIR=str(fr_dir))

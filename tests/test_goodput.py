@@ -52,7 +52,7 @@ def test_a_spare_waits_and_takes_the_place_of_a_blamed_node():
     # The rank-0 node fails: the survivors keep their places, the spare joins, the rendezvous
     # moves to the first node of the new step.
     assert nodes.without(["nid001"])
-    assert nodes.step_nodes == ["nid002", "nid003", "nid004"]
+    assert nodes.launch_nodes == ["nid002", "nid003", "nid004"]
     # Beside the failed step, which Slurm may never complete (allocation.py says why).
     assert nodes.placed(training_line()).argv()[:6] == [
         "srun", "--nodes=3", "--ntasks=6", "--nodelist=nid[002-004]", "--overlap", "--label"]
@@ -67,7 +67,7 @@ def test_a_spare_waits_and_takes_the_place_of_a_blamed_node():
 
 def test_nodes_excluded_before_stay_out_of_a_later_step():
     nodes = allocation.Allocation.from_env(FOUR_NODES, spares=1, excluded=["nid002"])
-    assert nodes.step_nodes == ["nid001", "nid003", "nid004"]
+    assert nodes.launch_nodes == ["nid001", "nid003", "nid004"]
 
 
 def test_a_command_given_whole_runs_as_it_is_and_cannot_be_moved():
@@ -122,7 +122,7 @@ PROGRESS = {
 
 
 def test_the_ledger_tells_training_from_start_up_checkpoints_lost_work_and_restarts():
-    run = {"started": 0.0, "ended": 125.0, "steps": [FAILED, RESUMED]}
+    run = {"started": 0.0, "ended": 125.0, "launches": [FAILED, RESUMED]}
     book = goodput.ledger([run], lambda step: PROGRESS[step["log"]])
     assert book["startup_s"] == 10 + 15
     assert book["checkpoints_s"] == 1
@@ -139,9 +139,9 @@ def test_the_ledger_tells_training_from_start_up_checkpoints_lost_work_and_resta
 
 
 def test_a_requeue_counts_its_wait_in_the_queue_apart_from_the_allocated_time():
-    first = {"started": 0.0, "ended": 72.0, "steps": [FAILED]}
+    first = {"started": 0.0, "ended": 72.0, "launches": [FAILED]}
     second = {"started": 200.0, "ended": 250.0,
-              "steps": [dict(RESUMED, launched=200.0, ended=246.0)]}
+              "launches": [dict(RESUMED, launched=200.0, ended=246.0)]}
     resumed = events(("first_step", 11, 215.0), ("end", 20, 245.0))
     book = goodput.ledger([first, second],
                           lambda step: resumed if step["launched"] == 200.0 else PROGRESS["s1"])
@@ -153,27 +153,27 @@ def test_a_requeue_counts_its_wait_in_the_queue_apart_from_the_allocated_time():
 def test_without_progress_notes_the_ledger_says_what_the_supervisor_saw():
     """A script of one's own notes no progress: the allocated time, the launches, the failed
     ones, restarts and requeues are the supervisor's own records."""
-    first = {"started": 0.0, "ended": 72.0, "steps": [FAILED, RESUMED], "restarts": 1}
-    second = {"started": 200.0, "ended": 260.0, "steps": [dict(RESUMED, launched=200.0)]}
+    first = {"started": 0.0, "ended": 72.0, "launches": [FAILED, RESUMED], "restarts": 1}
+    second = {"started": 200.0, "ended": 260.0, "launches": [dict(RESUMED, launched=200.0)]}
     book = goodput.launches_only([first, second])
     assert book["goodput"] is None
     assert (book["allocated_s"], book["queued_s"]) == (72 + 60, 200 - 72)
     assert (book["launches"], book["failed"], book["restarts"], book["requeues"]) == (3, 1, 1, 1)
     assert book["text"] == ("unknown, the training noted no progress: 2.2 min allocated, "
                             "3 launches, 1 failed, 1 restarted, 1 requeued")
-    one = goodput.launches_only([{"started": 0.0, "ended": 30.0, "steps": [RESUMED]}])
+    one = goodput.launches_only([{"started": 0.0, "ended": 30.0, "launches": [RESUMED]}])
     assert one["text"].endswith("0.5 min allocated, 1 launch, 0 failed, 0 restarted, 0 requeued")
 
 
 def test_a_step_that_failed_before_its_first_step_is_all_start_up():
     run = {"started": 0.0, "ended": 20.0,
-           "steps": [{"log": "s", "launched": 2.0, "ended": 18.0, "status": 1}]}
+           "launches": [{"log": "s", "launched": 2.0, "ended": 18.0, "status": 1}]}
     book = goodput.ledger([run], lambda step: [])
     assert (book["startup_s"], book["training_s"], book["goodput"]) == (16.0, 0.0, 0.0)
 
 
 def test_progress_cut_short_by_a_dead_node_is_read_up_to_its_last_whole_line(tmp_path: Path):
-    notes = tmp_path / "run0-step1.progress"
+    notes = tmp_path / "attempt0-launch1.progress"
     first = {"event": "first_step", "step": 1, "time": 5.0}
     notes.write_text(json.dumps(first) + '\n{"event": "in')
     assert contract.read_progress(str(notes)) == [first]
@@ -182,7 +182,7 @@ def test_progress_cut_short_by_a_dead_node_is_read_up_to_its_last_whole_line(tmp
 
 def test_the_ledger_is_written_whole(tmp_path: Path):
     book = goodput.ledger([], lambda step: [])
-    assert goodput.line(book) == "unknown (no training step ran)"
+    assert goodput.line(book) == "unknown (no training launch ran)"
     path = goodput.write(str(tmp_path), book)
     assert json.loads(Path(path).read_text()) == book
 
@@ -239,7 +239,7 @@ def test_the_notes_the_ranks_write_are_what_the_host_reads(tmp_path: Path, monke
 
     supervisor = host_module("supervisor")
     launched = time.time()
-    step = {"log": str(tmp_path / "run0-step1.log"), "launched": launched, "status": 0}
+    step = {"log": str(tmp_path / "attempt0-launch1.log"), "launched": launched, "status": 0}
     monkeypatch.setenv(contract.PROGRESS_VAR, contract.launch_file(step["log"], contract.PROGRESS))
     tally = runtime.RunTally(dist.DistContext(0, 1, 0, 1, 0, 1, torch.device("cpu"), "gloo"))
     tally.first_step(1)
@@ -247,7 +247,7 @@ def test_the_notes_the_ranks_write_are_what_the_host_reads(tmp_path: Path, monke
     tally.end(20, stopped=False)
     step["ended"] = contract.read_progress(os.environ[contract.PROGRESS_VAR])[-1]["time"] + 1
     assert supervisor.training_finished(step["log"])
-    book = goodput.ledger([{"started": launched, "ended": step["ended"], "steps": [step]}],
+    book = goodput.ledger([{"started": launched, "ended": step["ended"], "launches": [step]}],
                           lambda step: supervisor.progress_of(step["log"]))
     assert (book["checkpoints_s"], book["lost_steps"]) == (0.5, 0), book
     assert 0 <= book["startup_s"] < 1 <= book["allocated_s"] < 2, book

@@ -237,10 +237,10 @@ def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_ev
         for step in range(1, 31):
             state.global_step, now[0] = step, step * 0.25
             if step == 1:
-                tally.first_step(step)  # the record's first step: the warm-up, not timed
+                tally.first_step(step)  # the call's first step: the warm-up, not timed
             if callback.on_step_end(None, state, TrainerControl()).should_save:
                 asked.append(step)
-                tally.saved(step, 0.5)  # Trainer's save, timed by the record
+                tally.saved(step, 0.5)  # Trainer's save, timed by _TrainCall
         assert asked == [10, 30]  # the timed save, and the last step's
         # Young: sqrt(2 x 0.5 s x 100 h / 4 nodes) = 300 s, at 0.25 s a step 1200 steps.
         assert proposals == [{}, {"every": 1200.0 if is_main else 0.0}, {}], proposals
@@ -262,16 +262,16 @@ def test_trainers_checkpoint_stall_is_the_save_alone_not_an_evaluation_due_at_it
     now = [0.0]
     monkeypatch.setattr(hf.time, "perf_counter", lambda: now[0])
     tally = cpu_tally()
-    record = hf._RunRecord(tally)
+    call = hf._TrainCall(tally)
     args = TrainingArguments(output_dir="unused", per_device_train_batch_size=1, use_cpu=True,
                              report_to=[])
     state = TrainerState(global_step=1, max_steps=10)
-    record.on_train_begin(args, state, None)
+    call.on_train_begin(args, state, None)
     state.global_step = 10
-    record.on_step_end(args, state, None)
+    call.on_step_end(args, state, None)
     for event, seconds in (("on_log", 0.5), ("on_evaluate", 3.0), ("on_save", 0.25)):
         now[0] += seconds
-        getattr(record, event)(args, state, None, logs={})
+        getattr(call, event)(args, state, None, logs={})
     assert (tally.last_stall_s, tally.stall_s, tally.saves) == (0.25, 0.25, 1)
 
 

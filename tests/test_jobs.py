@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, VENV_BIN, Job, tool_env
-from tests.helpers import env_lines, rank_records, summary
+from tests.helpers import check_summary_schema, env_lines, rank_records
 
 LUMI = sorted((REPO / "jobs" / "lumi").glob("*.sbatch"))
 LOCAL = sorted((REPO / "jobs" / "local").glob("*.sbatch"))
@@ -480,8 +480,7 @@ def submit(cluster, path: Path, tmp_path: Path, nodes: int, *args: str,
 def check_summary(output: str, trainer: str, world_size: int) -> dict:
     # A healthy run: no rank's own work is twice the median's (xscale.stragglers).
     assert "xscale: straggler:" not in output, output[-3000:]
-    record = summary(output)
-    assert str(record["trainer"]).startswith(trainer), record
+    record = check_summary_schema(output, trainer)
     assert record["world_size"] == world_size
     assert record["steps"] == MAX_STEPS
     for key in ("loss_first", "loss_last", "seconds"):
@@ -540,7 +539,7 @@ def test_local_mnist_runs(cluster, tmp_path, mnist_data):
     job = submit(cluster, REPO / "jobs" / "local" / "mnist.sbatch", tmp_path, 2,
                  env={"DATA": str(mnist_data), "OUTPUT_DIR": str(tmp_path / "output"),
                       "MAX_STEPS": str(MAX_STEPS)})
-    check_summary(job.output, "mnist", 4)
+    check_summary(job.output, "mnist_ddp", 4)
 
 
 def test_lumi_smoke_runs_the_doctor_then_reports_each_nodes_gpus_and_each_ranks_cores(
@@ -621,7 +620,7 @@ def test_smoke_gpu_check_compares_torch_with_slurms_gpus(torch_gpus, visible, gi
 def test_lumi_mnist_runs(cluster, tmp_path, mnist_data):
     job = submit(cluster, lumi("mnist.sbatch"), tmp_path, 2,
                  env=virtual_env(tmp_path, DATA=str(mnist_data), BATCH_SIZE="16"))
-    record = check_summary(job.output, "mnist", 4)
+    record = check_summary(job.output, "mnist_ddp", 4)
     check_startup_phases(record["startup"], rank_records(job.output))
     # CHECKPOINT_EVERY=auto, as shipped: a timed save at the first log interval, then Young's
     # interval for 2 nodes (docs/CHECKPOINTS.md), said once.
@@ -653,20 +652,20 @@ def check_startup_phases(phases: dict, ranks: list[dict]) -> None:
 def test_lumi_gpt_neo_on_one_node(cluster, tmp_path, gpt_data):
     job = submit(cluster, lumi("gpt-neo-1node.sbatch"), tmp_path, 1, *GPT_TINY,
                  env=gpt_env(tmp_path, gpt_data))
-    check_summary(job.output, "gpt_neo", 2)
+    check_summary(job.output, "gpt_neo_imdb", 2)
 
 
 def test_lumi_gpt_neo_on_two_nodes(cluster, tmp_path, gpt_data):
     job = submit(cluster, lumi("gpt-neo.sbatch"), tmp_path, 2, *GPT_TINY,
                  env=gpt_env(tmp_path, gpt_data))
-    check_summary(job.output, "gpt_neo", 4)
+    check_summary(job.output, "gpt_neo_imdb", 4)
 
 
 def test_lumi_gpt_neo_profiles_exactly_the_chosen_rank(cluster, tmp_path, gpt_data):
     profiles = tmp_path / "profiles"
     job = submit(cluster, lumi("gpt-neo-profile.sbatch"), tmp_path, 2, *GPT_TINY,
                  env=gpt_env(tmp_path, gpt_data, PROFILE_RANKS="3", PROFILE_DIR=str(profiles)))
-    check_summary(job.output, "gpt_neo", 4)
+    check_summary(job.output, "gpt_neo_imdb", 4)
     # The generic site's profiler is py-spy: one flame graph, rank 3's, and none of the others.
     assert sorted(p.name for p in profiles.glob("rank*.svg")) == ["rank3.svg"]
     assert (profiles / "rank3.svg").read_text().lstrip().startswith("<?xml")

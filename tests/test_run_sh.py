@@ -688,7 +688,7 @@ def test_the_flight_recorder_is_on_and_dumps_where_the_supervisor_reads(tmp_path
     assert plain["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in plain
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in plain and "TORCH_FR_DUMP_TEMP_FILE" not in plain
-    records = tmp_path / "run0-step1.fr"
+    records = tmp_path / "attempt0-launch1.fr"
     supervised = print_env(base_env(tmp_path, XSCALE_FR_DIR=str(records), TORCH_FR_BUFFER_SIZE="50",
                                     **recorded_slurm_env()))
     assert supervised["TORCH_FR_BUFFER_SIZE"] == "50"  # the user's size wins

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from xscale import records, runlog, startup
+from xscale import runlog, startup, taglines
 
 # ---------------------------------------------------------------------------------------------
 # summary: the digest that proves replicas are identical
@@ -96,7 +96,7 @@ def test_the_summary_goes_whole_into_its_file_and_the_line_names_it(tmp_path, ca
     assert (whole["loss_first"], whole["loss_last"], whole["startup"]) == (None, 0.5, startup_)
     assert line == {name: value for name, value in whole.items() if name != "startup"}
     assert line["summary_file"] == str(path) and path.is_absolute()
-    assert records.whole_summary(line) == whole
+    assert taglines.whole_summary(line) == whole
     assert not list(path.parent.glob(".*"))  # no temporary left behind
 
 
@@ -135,7 +135,7 @@ def test_the_largest_realistic_summary_line_stays_whole_under_srun_label(tmp_pat
     record = largest_realistic_summary(tmp_path)
     text = runlog.line(runlog.SUMMARY_TAG, runlog.line_record(record))
     out = labelled(text, record["world_size"])
-    assert len(out.encode()) <= records.SRUN_LABEL_CUT, len(out.encode())
+    assert len(out.encode()) <= taglines.SRUN_LABEL_CUT, len(out.encode())
     # A user's `grep XSCALE_SUMMARY | cut -d' ' -f3-` (after srun's label) is JSON as it is.
     found = json.loads(out.split("XSCALE_SUMMARY ", 1)[1])
     assert list(found) == [name for name in record if name not in runlog.FILE_ONLY]

@@ -20,11 +20,11 @@ from tests.helpers import JOBS_LIB, assert_python36_code, find_python36, host_mo
 
 # Everything the batch host runs or imports in Python.
 HOST_PYTHON = [*(JOBS_LIB / f"{name}.py" for name in ("supervisor", "failure_report", "shared",
-                                                      "hangs", "steps", "allocation", "goodput",
+                                                      "hangs", "launches", "allocation", "goodput",
                                                       "attempt", "launch_line")),
                JOBS_LIB / "stage", JOBS_LIB / "stage-node",
                REPO / "runscripts" / "lib" / "rank_stack.py",
-               *(REPO / "python" / "xscale" / f"{name}.py" for name in ("records", "archive",
+               *(REPO / "python" / "xscale" / f"{name}.py" for name in ("taglines", "archive",
                                                                         "contract")),
                REPO / "runscripts" / "lib" / "hostlist.py"]
 
@@ -95,7 +95,7 @@ def test_a_listed_node_is_retried_as_a_blamed_one(tmp_path):
                       XSCALE_RETRY="1")
     assert proc.stderr == ("xscale: retry 1 of 3: requeueing job 42 without nid[002-003] when "
                            "this script ends\n")
-    assert "run 0: excluded nid[002-003] after staging" in (
+    assert "attempt 0: excluded nid[002-003] after staging" in (
         tmp_path / "records" / "retries").read_text()
     assert scontrol_calls(tmp_path) == []  # not yet: when the script exits
     supervisor(tmp_path, "finish")
@@ -104,10 +104,10 @@ def test_a_listed_node_is_retried_as_a_blamed_one(tmp_path):
 
 
 def run_step(tmp_path: Path, notes: str, *stops: str) -> subprocess.CompletedProcess[str]:
-    """A step whose rank 0 notes NOTES in its XSCALE_PROGRESS (xscale.contract), then the
+    """A launch whose rank 0 notes NOTES in its XSCALE_PROGRESS (xscale.contract), then the
     judgement of its end with STOPS received."""
-    proc = supervisor(tmp_path, "run", "--", "bash", "-c", 'printf "%s" "$1" >>"$XSCALE_PROGRESS"',
-                      "step", notes)
+    proc = supervisor(tmp_path, "launch", "--", "bash", "-c",
+                      'printf "%s" "$1" >>"$XSCALE_PROGRESS"', "launch", notes)
     assert proc.returncode == 0, proc.stderr
     (tmp_path / "stop").write_text("".join(f"{name}\n" for name in stops))
     return supervisor(tmp_path, "judge")
@@ -134,12 +134,13 @@ def test_notes_cut_short_are_a_stopped_training_not_a_crash(tmp_path):
 
 
 def test_a_step_that_cannot_start_is_one_line_and_no_traceback(tmp_path):
-    proc = supervisor(tmp_path, "run", "--", str(tmp_path / "no-such-srun"))
+    proc = supervisor(tmp_path, "launch", "--", str(tmp_path / "no-such-srun"))
     assert proc.returncode == 127
-    assert proc.stderr.startswith("xscale: cannot start the step: ") and \
+    assert proc.stderr.startswith("xscale: cannot start the launch: ") and \
         len(proc.stderr.splitlines()) == 1, proc.stderr
-    step = json.loads((tmp_path / "records" / "run0.json").read_text())["steps"][-1]
-    assert (step["log"], step["status"]) == (str(tmp_path / "records" / "run0-step1.log"), 127)
+    launch = json.loads((tmp_path / "records" / "attempt0.json").read_text())["launches"][-1]
+    assert (launch["log"], launch["status"]) == (
+        str(tmp_path / "records" / "attempt0-launch1.log"), 127)
 
 
 # ---- a hang, from flight records as torch writes them -------------------------------------------
@@ -248,15 +249,15 @@ def test_a_node_is_blamed_for_a_hang_only_when_it_hung_in_the_attempt_before(tmp
 
 
 def test_an_attempt_comes_back_from_its_file_as_each_transition_left_it():
-    """The supervisor's commands each load the attempt, move it on and save it (runR.json):
+    """The supervisor's commands each load the attempt, move it on and save it (attemptA.json):
     every transition survives the round trip, in the form the goodput ledger reads."""
     attempt_type = host_module("attempt").Attempt
     attempt = attempt_type.fresh(5.0)
-    launch = attempt.launch("run0-step1.log", "nid[001-002]")
+    launch = attempt.launch("attempt0-launch1.log", "nid[001-002]")
     launch.ended_with(1)
     launch.failed(["nid002"])
     attempt.restarting({"nid002"})
-    attempt.launch("run0-step2.log", "nid[001,003]").ended_with(0)
+    attempt.launch("attempt0-launch2.log", "nid[001,003]").ended_with(0)
     attempt.requeue_for("the time limit")
     attempt.done()
     again = attempt_type.loaded(json.loads(json.dumps(attempt.saved())))
@@ -264,4 +265,4 @@ def test_an_attempt_comes_back_from_its_file_as_each_transition_left_it():
     assert [(one.status, one.blamed) for one in again.launches] == [(1, ["nid002"]), (0, None)]
     assert (again.restarts, again.excluded, again.requeue) == (1, ["nid002"],
                                                                {"why": "the time limit"})
-    assert again.saved()["steps"][0]["launched"] <= again.ended
+    assert again.saved()["launches"][0]["launched"] <= again.ended

@@ -1,8 +1,8 @@
 """Which nodes of the job's allocation the training step runs on.
 
-With XSCALE_SPARES=S the job allocates its --nodes and the step runs on all but the last S of
-them; the spares wait. When a step fails and its report blames nodes, the supervisor relaunches
-the step at once without them, on the nodes that are left, spares first in, as long as enough
+With XSCALE_SPARES=S the job allocates its --nodes and the launch runs on all but the last S of
+them; the spares wait. When a launch fails and its report blames nodes, the supervisor relaunches
+the launch at once without them, on the nodes that are left, spares first in, as long as enough
 are left for the same number of nodes (and so the same world size and global batch). The launch
 line (jobs/lib/launch_line.py) gets the nodes and the task count, and the ranks their rendezvous
 on the first of those nodes (MASTER_ADDR). A step whose nodes were never changed
@@ -30,7 +30,7 @@ def tasks_per_node(env):
 
 
 class Allocation:
-    """The job's nodes in Slurm's order, the tasks per node, and which nodes the step uses."""
+    """The job's nodes in Slurm's order, the tasks per node, and which nodes the launch uses."""
 
     def __init__(self, nodes, per_node, spares, excluded=()):
         self.nodes, self.per_node, self.spares = list(nodes), per_node, spares
@@ -38,7 +38,7 @@ class Allocation:
         self.excluded = set(excluded)
         self.moved = bool(spares or self.excluded)
         healthy = [node for node in self.nodes if node not in self.excluded]
-        self.step_nodes = healthy[:self.needed]
+        self.launch_nodes = healthy[:self.needed]
 
     @classmethod
     def from_env(cls, env, spares, excluded=()):
@@ -57,21 +57,21 @@ class Allocation:
 
     def without(self, blamed):
         """Leave BLAMED out for the rest of the job; whether enough healthy nodes are left for
-        the step, which keeps its surviving nodes and takes spares in for the others."""
+        the launch, which keeps its surviving nodes and takes spares in for the others."""
         self.excluded |= set(blamed)
         healthy = [node for node in self.nodes if node not in self.excluded]
         if len(healthy) < self.needed or self.per_node is None:
             return False
-        kept = [node for node in self.step_nodes if node not in self.excluded]
+        kept = [node for node in self.launch_nodes if node not in self.excluded]
         spares = [node for node in healthy if node not in kept]
         chosen = set(kept + spares[:self.needed - len(kept)])
-        self.step_nodes = [node for node in self.nodes if node in chosen]
+        self.launch_nodes = [node for node in self.nodes if node in chosen]
         self.moved = True
         return True
 
     def placed(self, line):
-        """LINE (a LaunchLine) on the step's nodes: unchanged until spares or a restart move
-        the step.
+        """LINE (a LaunchLine) on the launch's nodes: unchanged until spares or a restart move
+        the launch.
 
         A restart also shares the nodes with the failed step (--overlap): when its ranks on the
         healthy nodes ended before Slurm declared the dead node down, Slurm never completes that
@@ -83,28 +83,28 @@ class Allocation:
             raise AllocationError("XSCALE_SPARES and restarts move the training to other nodes: "
                                   "they need the launch line the site prelude builds "
                                   "(xs_local_train, xs_lumi_train), not a command given whole")
-        return line.on(len(self.step_nodes), self.per_node,
-                       hostlist.compress(self.step_nodes), overlap=bool(self.excluded))
+        return line.on(len(self.launch_nodes), self.per_node,
+                       hostlist.compress(self.launch_nodes), overlap=bool(self.excluded))
 
     def environment(self):
-        """The rendezvous on the step's first node, when the step moved."""
-        return {"MASTER_ADDR": self.step_nodes[0]} if self.moved and self.step_nodes else {}
+        """The rendezvous on the launch's first node, when the launch moved."""
+        return {"MASTER_ADDR": self.launch_nodes[0]} if self.moved and self.launch_nodes else {}
 
     def placement(self, env):
-        """rank -> node for the step (Slurm's block distribution)."""
+        """rank -> node for the launch (Slurm's block distribution)."""
         if not self.moved:
             try:
                 nodes = list(hostlist.expand(env.get("SLURM_JOB_NODELIST", "")))
             except hostlist.HostlistError:
                 return {}
             return hostlist.block_placement(nodes, env.get("SLURM_TASKS_PER_NODE", ""))
-        return {rank: node for index, node in enumerate(self.step_nodes)
+        return {rank: node for index, node in enumerate(self.launch_nodes)
                 for rank in range(index * self.per_node, (index + 1) * self.per_node)}
 
     def layout(self, env):
-        """(the step's nodes as a hostlist, its tasks per node as SLURM_TASKS_PER_NODE writes
+        """(the launch's nodes as a hostlist, its tasks per node as SLURM_TASKS_PER_NODE writes
         it), for the failure report."""
         if not self.moved:
             return env.get("SLURM_JOB_NODELIST", ""), env.get("SLURM_TASKS_PER_NODE", "")
-        return (hostlist.compress(self.step_nodes),
-                "%d(x%d)" % (self.per_node, len(self.step_nodes)))
+        return (hostlist.compress(self.launch_nodes),
+                "%d(x%d)" % (self.per_node, len(self.launch_nodes)))

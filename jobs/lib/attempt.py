@@ -1,6 +1,6 @@
 """One attempt of a batch job, as the step supervisor keeps it between its commands: the launches
 of the training (Slurm steps) and what the supervisor decided. A requeue starts the job's next
-attempt; Slurm counts them in SLURM_RESTART_COUNT, and each is XSCALE_RECORDS_DIR/runR.json.
+attempt; Slurm counts them in SLURM_RESTART_COUNT, and each is XSCALE_RECORDS_DIR/attemptA.json.
 
 The supervisor's commands (jobs/lib/supervisor.py) load the attempt, move it on by one of its
 named transitions, and save it:
@@ -78,14 +78,14 @@ class Attempt:
     def done(self):
         self.ended = time.time()
 
-    # The saved form: "steps" holds the launches (the name runR.json files have always used).
     def saved(self):
         return {"started": self.started, "ended": self.ended, "requeue": self.requeue,
                 "restarts": self.restarts, "excluded": self.excluded,
-                "steps": [launch.saved() for launch in self.launches]}
+                "launches": [launch.saved() for launch in self.launches]}
 
     @classmethod
     def loaded(cls, saved):
-        return cls(saved["started"], [Launch.loaded(launch) for launch in saved.get("steps", [])],
+        return cls(saved["started"],
+                   [Launch.loaded(launch) for launch in saved.get("launches", [])],
                    saved.get("requeue"), saved.get("restarts", 0), saved.get("excluded", []),
                    saved.get("ended"))

@@ -22,7 +22,7 @@ import re
 import socket
 from collections import OrderedDict
 
-from shared import hostlist, records
+from shared import hostlist, taglines
 
 LAST_LINES = 5  # of the first failed rank's output
 TASK_EXIT = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<ranks>[0-9,-]+): (?P<how>.+)$")
@@ -104,7 +104,7 @@ class StepLog:
             self._read(line.rstrip("\n"))
 
     def _read(self, line):
-        labelled = records.label(line)
+        labelled = taglines.label(line)
         if labelled:
             rank, text = labelled
             self.by_rank.setdefault(rank, []).append(text)

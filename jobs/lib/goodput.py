@@ -1,19 +1,21 @@
 """The goodput ledger: what a job's allocated time went to, across its restarts and requeues.
 
-The supervisor keeps, per run of the job (XSCALE_RECORDS_DIR/runR.json), when the run started
-and ended and, per training step, when it was launched and ended; rank 0 notes its progress in
-the step's runR-stepS.progress (python/xscale/progress.py: the first step, each log interval,
-each checkpoint with the time training was held up, the end). From them, in seconds:
+The supervisor keeps, per attempt of the job (XSCALE_RECORDS_DIR/attemptA.json,
+jobs/lib/attempt.py), when the attempt started and ended and, per launch of the training, when it
+was launched and ended; rank 0 notes its progress in the launch's attemptA-launchL.progress
+(python/xscale/contract.py: the first step, each log interval, each checkpoint with the time
+training was held up, the end). From them, in seconds:
 
-    allocated    the runs' wall time, from the job's start on its nodes to the batch script's end
-    training     productive: steps that count, from a step's first step to its end (or, in a step
-                 that failed, to its last checkpoint), less the checkpoint stalls
-    startup      each step's launch to its first step done
+    allocated    the attempts' wall time, from the job's start on its nodes to the batch
+                 script's end
+    training     productive: steps that count, from a launch's first step to its end (or, in a
+                 launch that failed, to its last checkpoint), less the checkpoint stalls
+    startup      each launch to its first step done
     checkpoints  training held up by saves
-    lost_work    steps done after the last checkpoint of a step that failed: the resumed run does
+    lost_work    steps done after the last checkpoint of a launch that failed: the resumed one does
                  them again (lost_steps counts them)
-    restarts     a failed step's last sign of progress to its end (the failure being noticed:
-                 a collective timeout, Slurm's SlurmdTimeout), and from there to the next step's
+    restarts     a failed launch's last sign of progress to its end (the failure being noticed:
+                 a collective timeout, Slurm's SlurmdTimeout), and from there to the next
                  launch in the same allocation
     other        the rest: staging, evaluation, the script's own set-up and clean-up
     queued       not allocated: the wait in the queue after each requeue
@@ -39,9 +41,9 @@ LABELS = {"startup": "start-up", "checkpoints": "checkpoints", "lost_work": "los
           "restarts": "restarts", "other": "other"}
 
 
-def account_step(step, events, next_launch):
-    """Seconds per category for one step, and the steps its failure threw away."""
-    launched, ended = step.get("launched"), step.get("ended")
+def account_launch(launch, events, next_launch):
+    """Seconds per category for one launch, and the steps its failure threw away."""
+    launched, ended = launch.get("launched"), launch.get("ended")
     spent = dict.fromkeys(CATEGORIES, 0.0)
     if launched is None or ended is None:
         return spent, 0
@@ -52,7 +54,7 @@ def account_step(step, events, next_launch):
     spent["startup"] = first["time"] - launched
     saves = [event for event in events if event.get("event") == contract.CHECKPOINT]
     last = max(events, key=lambda event: event["time"])
-    if step.get("status") == 0:
+    if launch.get("status") == 0:
         end = contract.first(events, contract.END)
         finished = last["time"] if end is None else end["time"]
         stalls = sum(event.get("stall_s", 0.0) for event in saves)
@@ -70,24 +72,25 @@ def account_step(step, events, next_launch):
     return spent, max(last.get("step", 0) - kept["step"], 0)
 
 
-def ledger(runs, progress_of):
-    """The ledger of RUNS (the runR.json states, in order); PROGRESS_OF(step) -> its events."""
+def ledger(attempts, progress_of):
+    """The ledger of ATTEMPTS (their attemptA.json, in order); PROGRESS_OF(launch) -> its
+    events."""
     total = dict.fromkeys(CATEGORIES, 0.0)
     allocated = queued = 0.0
     lost_steps = 0
     previous_end = None
-    for run in runs:
-        started, ended = run.get("started"), run.get("ended")
+    for attempt in attempts:
+        started, ended = attempt.get("started"), attempt.get("ended")
         if started is None or ended is None:
             continue
         allocated += ended - started
         if previous_end is not None:
             queued += max(started - previous_end, 0.0)
         previous_end = ended
-        steps = run.get("steps", [])
-        for index, step in enumerate(steps):
-            follows = steps[index + 1].get("launched") if index + 1 < len(steps) else None
-            spent, lost = account_step(step, progress_of(step), follows)
+        launches = attempt.get("launches", [])
+        for index, launch in enumerate(launches):
+            follows = launches[index + 1].get("launched") if index + 1 < len(launches) else None
+            spent, lost = account_launch(launch, progress_of(launch), follows)
             lost_steps += lost
             for category in CATEGORIES:
                 total[category] += spent[category]
@@ -104,7 +107,7 @@ def line(book):
     xscale.report shows)."""
     allocated = book["allocated_s"]
     if not allocated:
-        return "unknown (no training step ran)"
+        return "unknown (no training launch ran)"
     shares = ", ".join("%s %.1f%%" % (LABELS[category], 100 * book[category + "_s"] / allocated)
                        for category in CATEGORIES if category != "training")
     text = "%.1f%% of %.1f min (%s)" % (100 * book["goodput"], allocated / 60, shares)
@@ -115,17 +118,19 @@ def line(book):
     return text
 
 
-def launches_only(runs):
-    """The ledger without progress notes: what the supervisor's own records of RUNS say."""
-    steps = [step for run in runs for step in run.get("steps", [])]
-    timed = [run for run in runs if run.get("started") is not None and run.get("ended") is not None]
+def launches_only(attempts):
+    """The ledger without progress notes: what the supervisor's own records of ATTEMPTS say."""
+    launches = [launch for attempt in attempts for launch in attempt.get("launches", [])]
+    timed = [attempt for attempt in attempts
+             if attempt.get("started") is not None and attempt.get("ended") is not None]
     queued = sum(max(timed[index]["started"] - timed[index - 1]["ended"], 0.0)
                  for index in range(1, len(timed)))
-    book = {"goodput": None, "allocated_s": sum(run["ended"] - run["started"] for run in timed),
-            "queued_s": queued, "launches": len(steps),
-            "failed": sum(1 for step in steps if step.get("status") not in (0, None)),
-            "restarts": sum(run.get("restarts", 0) for run in runs),
-            "requeues": max(len(runs) - 1, 0)}
+    book = {"goodput": None,
+            "allocated_s": sum(attempt["ended"] - attempt["started"] for attempt in timed),
+            "queued_s": queued, "launches": len(launches),
+            "failed": sum(1 for launch in launches if launch.get("status") not in (0, None)),
+            "restarts": sum(attempt.get("restarts", 0) for attempt in attempts),
+            "requeues": max(len(attempts) - 1, 0)}
     book["text"] = ("unknown, the training noted no progress: %.1f min allocated, %s, %d failed, "
                     "%d restarted, %d requeued"
                     % (book["allocated_s"] / 60, plural(book["launches"], "launch", "launches"),

@@ -3,7 +3,7 @@
 A site prelude (jobs/lib/local.sh, lumi.sh) hands the supervisor the parts of its srun line, not
 the line itself:
 
-    supervisor.py run --srun-option=--label --srun-option=--cpu-bind=none \
+    supervisor.py launch --srun-option=--label --srun-option=--cpu-bind=none \
         --image IMAGE --bind BINDS --entrypoint /runscripts/run.sh -- python train.py ...
 
 and every change the supervisor makes is made on those parts: the nodes and task count of a

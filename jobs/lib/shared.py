@@ -3,11 +3,11 @@ from the rest of the checkout, in one place, and the one way they speak: `xscale
 
 They run on the host's system Python (3.6 on LUMI's and Aurora's batch and login nodes), so they
 use only modules written for it: runscripts/lib/hostlist.py (Slurm's syntax), and
-python/xscale/records.py (the reader of XSCALE_SUMMARY), python/xscale/archive.py (staging's
+python/xscale/taglines.py (the reader of XSCALE_SUMMARY), python/xscale/archive.py (staging's
 unpack and publish), python/xscale/contract.py (the files, events and variables the host and
 the ranks exchange) and python/xscale/settings.py (every XSCALE_* setting, typed and checked),
 which the trainers use too. Those four are loaded from their files rather
-than imported as `xscale.records`: importing the package would run xscale/__init__.py, whose
+than imported as `xscale.taglines`: importing the package would run xscale/__init__.py, whose
 imports need a newer Python.
 """
 
@@ -34,7 +34,7 @@ def _xscale_module(name):
     return module
 
 
-records = _xscale_module("records")
+taglines = _xscale_module("taglines")
 archive = _xscale_module("archive")
 contract = _xscale_module("contract")
 settings = _xscale_module("settings")

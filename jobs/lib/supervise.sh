@@ -24,7 +24,7 @@ XS_SUPERVISOR=${BASH_SOURCE[0]%/*}/supervisor.py
 # The supervisor reads its settings from the environment (docs/FAILURES.md, "Settings").
 export XSCALE_RETRY XSCALE_MAX_RETRIES XSCALE_MAX_REQUEUES XSCALE_BLAME XSCALE_RECORDS_DIR \
   XSCALE_SPARES XSCALE_MAX_RESTARTS
-XS_STEP_PID=""     # the supervisor running the step, while it runs
+XS_LAUNCH_PID=""     # the supervisor running the step, while it runs
 XS_SUPERVISED=""   # set once the supervisor has a decision to carry out when the script exits
 XS_AT_EXIT=()      # clean-up functions, run as the script exits, before the requeue
 if ! XS_STOP_FILE=$(mktemp "${TMPDIR:-/tmp}/xscale-stop.XXXXXX"); then
@@ -40,7 +40,7 @@ xs_supervisor() {
 # had (138 for a `wait` that USR1 cut short), and under `set -e` that ends the script.
 xs_on_stop() {
   printf '%s\n' "$1" >>"$XS_STOP_FILE"
-  if [[ -n $XS_STEP_PID ]] && kill -s "$1" "$XS_STEP_PID" 2>/dev/null; then
+  if [[ -n $XS_LAUNCH_PID ]] && kill -s "$1" "$XS_LAUNCH_PID" 2>/dev/null; then
     return 0
   fi
   printf 'xscale: SIG%s received while no training step runs: none will start\n' "$1" >&2
@@ -65,7 +65,7 @@ requeueable_step() {
   xs_supervised_run -- "$@"
 }
 
-# xs_supervised_run RUN_ARGS...: supervisor.py run RUN_ARGS, returning the launch's exit status;
+# xs_supervised_run ARGS...: supervisor.py launch ARGS, returning the launch's exit status;
 # a setting that is wrong stops the script first, one line and exit 2. The supervisor starts
 # with the stop signals ignored, until it has its own handlers: one that comes meanwhile is in
 # the stop file, which it reads once the step is launched. Its status is read from its records,
@@ -76,13 +76,13 @@ xs_supervised_run() {
   XS_SUPERVISED=1
   (
     trap '' USR1 TERM
-    exec python3 "$XS_SUPERVISOR" --stop-file "$XS_STOP_FILE" run "$@"
+    exec python3 "$XS_SUPERVISOR" --stop-file "$XS_STOP_FILE" launch "$@"
   ) &
-  XS_STEP_PID=$!
-  while kill -0 "$XS_STEP_PID" 2>/dev/null; do
-    wait "$XS_STEP_PID" || true
+  XS_LAUNCH_PID=$!
+  while kill -0 "$XS_LAUNCH_PID" 2>/dev/null; do
+    wait "$XS_LAUNCH_PID" || true
   done
-  XS_STEP_PID=""
+  XS_LAUNCH_PID=""
   xs_supervisor judge
 }
 

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""The step supervisor: what happens to a Slurm batch job's training step, on the batch host.
+"""The supervisor: what happens to a Slurm batch job's training launches, on the batch host.
 
-A job script sources jobs/lib/supervise.sh (the site preludes do) and runs its step in one line,
-`requeueable_step srun --label ... /runscripts/run.sh python train.py`; supervise.sh holds the
-signals the batch shell receives and calls this program for everything else:
+Words (docs/ARCHITECTURE.md): a *launch* is one srun of the training, a Slurm job step; an
+*attempt* is one run of the job between requeues (SLURM_RESTART_COUNT); a *step* is the
+training's optimizer step only.
 
-    supervisor.py --stop-file F check            settings and records directory, before a step
-    supervisor.py --stop-file F run -- CMD...    run the step: its log, its signals, its status
+A job script sources jobs/lib/supervise.sh (the site preludes do) and launches its training in one
+line (xs_local_train, xs_lumi_train: requeueable_launch); supervise.sh holds the signals the batch
+shell receives and calls this program for everything else:
+
+    supervisor.py --stop-file F check            settings and records directory, before a launch
+    supervisor.py --stop-file F launch [PARTS] -- CMD...   the launch: its log, signals, status
     supervisor.py --stop-file F judge            after it: requeue at the time limit, or report
                                                  the failure, blame nodes and retry without them
     supervisor.py --stop-file F retry-without NODES|@FILE WHY   that retry, for another reason
@@ -15,7 +19,7 @@ signals the batch shell receives and calls this program for everything else:
 F is where supervise.sh writes each stop signal the batch shell got (USR1: Slurm's time-limit
 warning, `#SBATCH --signal=B:USR1@300`; TERM: scancel or preemption) before passing it on: the
 batch shell alone is signalled, and it is the one that knows, when `judge` runs, every signal that
-came before the step ended. docs/FAILURES.md tells the whole story; docs/ARCHITECTURE.md which
+came before the launch ended. docs/FAILURES.md tells the whole story; docs/ARCHITECTURE.md which
 file owns what.
 
 Runs on the batch host's system Python (3.6 on LUMI and Aurora): standard library only, nothing
@@ -38,9 +42,9 @@ import hangs
 from allocation import Allocation, AllocationError
 from attempt import Attempt
 from launch_line import LaunchLine
+from launches import SupervisedLaunch, stop_signals
 from shared import contract, hostlist, say
 from shared import settings as xscale_settings
-from steps import Step, stop_signals
 
 UserError = xscale_settings.UserError  # a setting or input the user can fix: one line and status 2
 
@@ -49,7 +53,7 @@ UserError = xscale_settings.UserError  # a setting or input the user can fix: on
 
 class Settings:
     """What the job asked for, parsed and checked once from the environment by xscale's table of
-    settings (docs/SETTINGS.md), before the first step: a typo is one line and exit 2, not a
+    settings (docs/SETTINGS.md), before the first launch: a typo is one line and exit 2, not a
     surprise after an hour of training."""
 
     def __init__(self, env):
@@ -65,7 +69,7 @@ class Settings:
         self.spares = xscale_settings.value("XSCALE_SPARES", env)
         self.max_restarts = xscale_settings.value("XSCALE_MAX_RESTARTS", env)
         self.job = requeue_id(env)
-        self.restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+        self.attempt = int(env.get("SLURM_RESTART_COUNT") or 0)  # Slurm counts the requeues
         self.records_dir = xscale_settings.value("XSCALE_RECORDS_DIR", env) or os.path.join(
             env.get("SLURM_SUBMIT_DIR") or os.getcwd(), "xscale-records", self.job)
 
@@ -85,16 +89,17 @@ def requeue_id(env):
     return env.get("SLURM_JOB_ID", "")
 
 
-# ---- the records: what this run of the job did, kept in XSCALE_RECORDS_DIR ----------------------
+# ---- the records: what this attempt of the job did, kept in XSCALE_RECORDS_DIR -----------------
 
 class JobRecords:
-    """XSCALE_RECORDS_DIR: the same directory in every run of the job (a requeue keeps the job id),
-    so that a run knows how often the job was retried. Per run R (SLURM_RESTART_COUNT): the log
-    of each step S, runR-stepS.log, and runR.json, its steps' statuses and the requeue decided."""
+    """XSCALE_RECORDS_DIR: the same directory in every attempt of the job (a requeue keeps the job
+    id), so that an attempt knows how often the job was retried. Per attempt A: the log
+    of each launch L, attemptA-launchL.log, and attemptA.json, its launches and the requeue
+    decided (jobs/lib/attempt.py)."""
 
     def __init__(self, settings, create=True):
         self.dir = settings.records_dir
-        self.run = settings.restarts
+        self.attempt = settings.attempt
         if create:
             try:
                 os.makedirs(self.dir, exist_ok=True)
@@ -106,34 +111,34 @@ class JobRecords:
     def path(self, name):
         return os.path.join(self.dir, name)
 
-    def state_path(self, run=None):
-        return self.path("run%d.json" % (self.run if run is None else run))
+    def attempt_path(self, attempt=None):
+        return self.path("attempt%d.json" % (self.attempt if attempt is None else attempt))
 
-    def load(self, run=None):
-        """Attempt RUN of the job (this one by default); a new one starts with the time the job
-        started on its nodes."""
+    def load(self, attempt=None):
+        """Attempt ATTEMPT of the job (this one by default); a new one starts with the time the
+        job started on its nodes."""
         try:
-            with open(self.state_path(run)) as handle:
+            with open(self.attempt_path(attempt)) as handle:
                 return Attempt.loaded(json.load(handle))
         except (OSError, ValueError, KeyError, TypeError):
             return Attempt.fresh(job_start_time())
 
-    def runs(self):
+    def attempts(self):
         """The job's attempts so far, in order, as saved (what the goodput ledger reads)."""
-        return [self.load(run).saved() for run in range(self.run + 1)
-                if os.path.exists(self.state_path(run))]
+        return [self.load(attempt).saved() for attempt in range(self.attempt + 1)
+                if os.path.exists(self.attempt_path(attempt))]
 
     def save(self, attempt):
-        partial = self.state_path() + ".new"
+        partial = self.attempt_path() + ".new"
         with open(partial, "w") as handle:
             json.dump(attempt.saved(), handle, indent=1)
-        os.replace(partial, self.state_path())
+        os.replace(partial, self.attempt_path())
 
     def next_launch_log(self, attempt):
-        return self.path("run%d-step%d.log" % (self.run, len(attempt.launches) + 1))
+        return self.path("attempt%d-launch%d.log" % (self.attempt, len(attempt.launches) + 1))
 
     def retries(self):
-        """Retries made so far, in every run: one line each in the history."""
+        """Retries made so far, in every attempt: one line each in the history."""
         try:
             with open(self.path("retries")) as handle:
                 return sum(1 for line in handle if line.strip())
@@ -151,7 +156,7 @@ class JobRecords:
             return []
 
     def add_hang(self, hang, placement):
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "run": self.run,
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "attempt": self.attempt,
                  "ranks": hang.culprits, "collective": hang.what(),
                  "nodes": sorted({placement.get(rank, "?") for rank in hang.culprits})}
         with open(self.path("hangs"), "a") as handle:
@@ -159,12 +164,12 @@ class JobRecords:
 
     def add_retry(self, nodes, why):
         with open(self.path("retries"), "a") as handle:
-            handle.write("%s run %d: excluded %s after %s\n"
-                         % (time.strftime("%Y-%m-%dT%H:%M:%S"), self.run, nodes, why))
+            handle.write("%s attempt %d: excluded %s after %s\n"
+                         % (time.strftime("%Y-%m-%dT%H:%M:%S"), self.attempt, nodes, why))
 
 
 def job_start_time():
-    """When this run of the job started on its nodes: when the batch shell that calls this
+    """When this attempt of the job started on its nodes: when the batch shell that calls this
     program started (Slurm starts it with the allocation); now, where /proc does not say."""
     try:
         with open("/proc/%d/stat" % os.getppid()) as handle:
@@ -176,10 +181,10 @@ def job_start_time():
         return time.time()
 
 
-# ---- run: the step, and its restarts inside the allocation -------------------------------------
+# ---- launch: the training, and its restarts inside the allocation ------------------------------
 
-def command_run(settings, stop_file, line):
-    """Run the step on the allocation's step nodes. When it fails, report it; when the report
+def command_launch(settings, stop_file, line):
+    """Run the launch on the allocation's launch nodes. When it fails, report it; when the report
     blames nodes and enough healthy ones are left (spares, XSCALE_SPARES), relaunch it at once
     without them, at most XSCALE_MAX_RESTARTS times, the trainer resuming from its checkpoint;
     else requeue the job without them when the script exits, if asked (XSCALE_RETRY=1)."""
@@ -191,11 +196,11 @@ def command_run(settings, stop_file, line):
         launch = attempt.launch(job_records.next_launch_log(attempt),
                                 allocation.layout(settings.env)[0])
         job_records.save(attempt)
-        step = Step(placed, launch.log, stop_file, allocation.environment(),
-                    allocation.placement(settings.env))
-        launch.ended_with(step.run())
+        supervised = SupervisedLaunch(placed, launch.log, stop_file, allocation.environment(),
+                                      allocation.placement(settings.env))
+        launch.ended_with(supervised.execute())
         job_records.save(attempt)
-        if launch.status == 0 or stop_signals(stop_file) or step.proc is None:
+        if launch.status == 0 or stop_signals(stop_file) or supervised.proc is None:
             break  # done; stopped (TERM means stop, a warning leaves no time); never started
         blamed = report_failure(settings, job_records, launch, allocation)
         if not blamed:
@@ -210,36 +215,36 @@ def command_run(settings, stop_file, line):
 
 
 def restart(settings, attempt, allocation, blamed):
-    """Leave BLAMED out and say so; whether the step can run again in this allocation."""
+    """Leave BLAMED out and say so; whether the launch can run again in this allocation."""
     done = attempt.restarts
     if done >= settings.max_restarts or not allocation.without(blamed):
         allocation.excluded |= set(blamed)
         return False
     attempt.restarting(allocation.excluded)
     say("restart %d of %d: relaunching on %s without %s"
-        % (done + 1, settings.max_restarts, hostlist.compress(allocation.step_nodes),
+        % (done + 1, settings.max_restarts, hostlist.compress(allocation.launch_nodes),
            hostlist.compress(blamed)))
     return True
 
 
-# ---- judge: what the step's end means --------------------------------------------------------
+# ---- judge: what the launch's end means ---------------------------------------------------------
 
 def command_judge(settings, stop_file):
     """After a clean stop on USR1 the job is requeued when the script exits (so that any clean-up
-    after the step still runs), unless the step had finished its training: the warning came as
+    after the launch still runs), unless the launch had finished its training: the warning came as
     it ended. A stop on TERM is not requeued: scancel means stop, and Slurm requeues preempted
-    jobs itself. A failure was reported as it happened (command_run). Its status is the last
+    jobs itself. A failure was reported as it happened (command_launch). Its status is the last
     step's."""
     job_records = JobRecords(settings)
     attempt = job_records.load()
     launch = attempt.last
     came = stop_signals(stop_file)
     if launch is None or launch.status is None:
-        say("error: the step's supervisor ended without its status (was it killed?)")
+        say("error: the launch's supervisor ended without its status (was it killed?)")
         return 1
     if came and came[-1] == "USR1" and launch.status == 0:
         if training_finished(launch.log):
-            say("the step had finished its training when SIGUSR1 came: no requeue")
+            say("the launch had finished its training when SIGUSR1 came: no requeue")
         else:
             attempt.requeue_for("the time limit")
     elif launch.status != 0 and came and came[-1] != "TERM" and not launch.reported:
@@ -268,7 +273,7 @@ def progress_of(log):
 def report_failure(settings, job_records, launch, allocation):
     """Print the report of a failed launch; the nodes it blames."""
     launch.failed([])
-    say("the step failed with exit status %d; what srun saw:" % launch.status)
+    say("the launch failed with exit status %d; what srun saw:" % launch.status)
     env = settings.env
     nodes, per_node = allocation.layout(env)
     states = node_states(env.get("SLURM_JOB_NODELIST", ""))
@@ -293,7 +298,7 @@ def report_failure(settings, job_records, launch, allocation):
 
 
 def node_states(nodes):
-    """Nodes Slurm lost or set down while the step ran (with --no-kill the job outlives them)."""
+    """Nodes Slurm lost or set down while the launch ran (with --no-kill the job outlives them)."""
     if not nodes:
         return ""
     try:
@@ -371,17 +376,17 @@ def command_finish(settings):
 
 
 def report_goodput(job_records):
-    """The job's goodput so far, across its runs: one line, the same as XSCALE_GOODPUT {json}
+    """The job's goodput so far, across its attempts: one line, the same as XSCALE_GOODPUT {json}
     for xscale.report, and XSCALE_RECORDS_DIR/goodput.json (jobs/lib/goodput.py). Without the
     trainer's progress notes, what the supervisor saw, and where the rest comes from."""
-    runs = job_records.runs()
-    progress = {step["log"]: progress_of(step["log"])
-                for run in runs for step in run.get("steps", [])}
+    attempts = job_records.attempts()
+    progress = {launch["log"]: progress_of(launch["log"])
+                for attempt in attempts for launch in attempt.get("launches", [])}
     if any(progress.values()):
-        book = goodput.ledger(runs, lambda step: progress.get(step["log"], []))
+        book = goodput.ledger(attempts, lambda launch: progress.get(launch["log"], []))
         book["text"] = goodput.line(book)
     else:
-        book = goodput.launches_only(runs)
+        book = goodput.launches_only(attempts)
     book["records"] = goodput.write(job_records.dir, book)
     say("goodput: " + book["text"])
     print("XSCALE_GOODPUT " + json.dumps(book), flush=True)
@@ -393,11 +398,11 @@ def report_goodput(job_records):
 def requeue_at_time_limit(settings):
     """A --time shorter than the --signal warning plus a minute gets the warning as the job
     starts: each run would stop at once and requeue itself again, so requeueing stops after
-    XSCALE_MAX_REQUEUES runs (Slurm counts them in SLURM_RESTART_COUNT)."""
-    if settings.restarts >= settings.max_requeues:
+    XSCALE_MAX_REQUEUES attempts (Slurm counts them in SLURM_RESTART_COUNT)."""
+    if settings.attempt >= settings.max_requeues:
         say("stopped before the time limit, not requeueing: job %s was requeued %d times already "
             "(XSCALE_MAX_REQUEUES=%d); is --time longer than the --signal warning?"
-            % (settings.job, settings.restarts, settings.max_requeues))
+            % (settings.job, settings.attempt, settings.max_requeues))
         return
     say("stopped before the time limit; requeueing job %s to resume" % settings.job)
     scontrol("requeue", settings.job)
@@ -407,7 +412,7 @@ def requeue_without(job, nodes):
     """Slurm changes ExcNodeList only while a job is pending ("Job is no longer pending
     execution"), so the job is requeued first, then updated: Slurm holds a requeued job back
     (BeginTime) for longer than the update takes. Not `requeuehold` then `release`: an update
-    that waits for the failed step to end can outlast KillWait (seen on the test bed, KillWait=5),
+    that waits for the failed launch to end can outlast KillWait (seen on the test bed, KillWait=5),
     and a job whose `release` never ran would stay held for good, while one whose update was lost
     only runs again on the nodes Slurm still allows. Nodes excluded by earlier retries stay
     excluded."""
@@ -441,15 +446,15 @@ def main(argv=None):
     parser.add_argument("--stop-file", help="the stop signals the batch shell received")
     verbs = parser.add_subparsers(dest="verb")
     verbs.add_parser("check")
-    run = verbs.add_parser("run", help="the launch line's parts (jobs/lib/launch_line.py), or a "
-                           "command given whole")
-    run.add_argument("--srun-option", action="append", default=[], metavar="OPTION",
+    launch = verbs.add_parser("launch", help="the launch line's parts (jobs/lib/launch_line.py), "
+                              "or a command given whole")
+    launch.add_argument("--srun-option", action="append", default=[], metavar="OPTION",
                      help="an option of srun's, as --srun-option=--label")
-    run.add_argument("--image", help="the container image the entrypoint runs in")
-    run.add_argument("--bind", help="its -B list")
-    run.add_argument("--runtime", default="singularity", help="singularity or apptainer")
-    run.add_argument("--entrypoint", help="runscripts/run.sh's path in the image")
-    run.add_argument("command", nargs=argparse.REMAINDER)
+    launch.add_argument("--image", help="the container image the entrypoint runs in")
+    launch.add_argument("--bind", help="its -B list")
+    launch.add_argument("--runtime", default="singularity", help="singularity or apptainer")
+    launch.add_argument("--entrypoint", help="runscripts/run.sh's path in the image")
+    launch.add_argument("command", nargs=argparse.REMAINDER)
     verbs.add_parser("judge")
     retry = verbs.add_parser("retry-without")
     retry.add_argument("nodes")
@@ -462,8 +467,8 @@ def main(argv=None):
             JobRecords(settings)
             Allocation.from_env(settings.env, settings.spares)
             return 0
-        if args.verb == "run":
-            return command_run(settings, args.stop_file, launch_line(args))
+        if args.verb == "launch":
+            return command_launch(settings, args.stop_file, launch_line(args))
         if args.verb == "judge":
             return command_judge(settings, args.stop_file)
         if args.verb == "retry-without":

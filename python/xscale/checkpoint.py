@@ -381,7 +381,7 @@ def restore_every_rank(path: Path, model: nn.Module, optimizer: torch.optim.Opti
     return int(run["step"])
 
 
-def staged(value: Any, _copies: dict | None = None) -> Any:
+def host_copies(value: Any, _copies: dict | None = None) -> Any:
     """VALUE with its tensors copied to host memory, where training no longer changes them:
     a device's tensors into pinned memory (the copy runs asynchronously; synchronise before
     reading), the CPU's cloned. A tensor that appears twice (tied weights: GPT-neo's embedding
@@ -393,9 +393,9 @@ def staged(value: Any, _copies: dict | None = None) -> Any:
             copies[key] = host_copy(value.detach())
         return copies[key]
     if isinstance(value, dict):
-        return {key: staged(item, copies) for key, item in value.items()}
+        return {key: host_copies(item, copies) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [staged(item, copies) for item in value]
+        items = [host_copies(item, copies) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value  # numbers, strings and the RNG states' tuples: not changed in place
 
@@ -461,7 +461,7 @@ class TrainingSaver:
             save(self.output_dir, step, state, keep=self.keep)
             self.writer.last_write_s = 0.0
         elif self.is_main:
-            copy = staged(state)
+            copy = host_copies(state)
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()  # the pinned copies are complete
             self.writer.start(lambda: save(self.output_dir, step, copy, keep=self.keep))

@@ -3,8 +3,8 @@ step supervisor (jobs/lib) and the training processes (this package) hand each o
 and nowhere else.
 
 The supervisor keeps each launch of the training (one Slurm step) in the records directory as
-runR-stepS.log (run R of the job, step S of the run). The launch's other files are named after
-its log (launch_file):
+attemptA-launchL.log (launch L of attempt A of the job: a requeue starts the next attempt). The
+launch's other files are named after its log (launch_file):
 
     .fr/            XSCALE_FR_DIR: each rank's flight record of a failed collective, rankN
                     (xscale.flight, torch's watchdog); the supervisor writes .fr/released once it
@@ -49,7 +49,7 @@ FIRST_STEP, INTERVAL, CHECKPOINT, END = "first_step", "interval", "checkpoint", 
 
 
 def launch_file(log, suffix):
-    """The launch's file SUFFIX, named after its log runR-stepS.log."""
+    """The launch's file SUFFIX, named after its log attemptA-launchL.log."""
     return log[:-len(".log")] + suffix
 
 

@@ -85,7 +85,7 @@ class XscaleTrainer(Trainer):
         self.started = runtime.STARTED
         self.resume_from = newest_checkpoint(self.args.output_dir) if resume else None
         self.tally = runtime.RunTally(self.ctx)
-        self.record = _RunRecord(self.tally)
+        self.train_call = _TrainCall(self.tally)
         auto = None
         if checkpoint_every == "auto":
             self.args.save_steps = _initial_save_steps(self.args.max_steps, self.resume_from)
@@ -94,7 +94,7 @@ class XscaleTrainer(Trainer):
             self.args.save_steps = int(checkpoint_every)
         watch = stragglers.watch(self.model, self.ctx.device, self.ctx.rank, self.ctx.world_size)
         self.stop = _StopOnSignal(self.tally, watch=watch, auto=auto)
-        for callback in (self.record, self.stop, _ProfileSteps(self.ctx.rank, self.ctx.device)):
+        for callback in (self.train_call, self.stop, _ProfileSteps(self.ctx.rank, self.ctx.device)):
             self.add_callback(callback)
         self.saved: str | None = None
 
@@ -110,8 +110,8 @@ class XscaleTrainer(Trainer):
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.resume_from
         output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-        self.tally.end(self.record.end_step, self.stopped)
-        self.saved = _checkpoint_written(self.args.output_dir, self.record)
+        self.tally.end(self.train_call.end_step, self.stopped)
+        self.saved = _checkpoint_written(self.args.output_dir, self.train_call)
         if self.stopped and self.ctx.is_main:
             print(runtime.stop_message(runtime.script_name(), self.stop.stopped_at, self.saved),
                   flush=True)
@@ -128,12 +128,12 @@ class XscaleTrainer(Trainer):
         """XSCALE_RANK on every rank and XSCALE_SUMMARY on rank 0 for this train() call, with
         the script's OWN fields after xscale's; the whole summary goes into the output
         directory, beside the checkpoints. Every rank calls it."""
-        record, args = self.record, self.args
+        call, args = self.train_call, self.args
         runtime.write_summary(
             self.ctx, self.model, trainer=self.run_name, started=self.started,
-            start_step=record.start_step, steps=record.end_step, meter=record.throughput,
-            loss_first=record.losses[0] if record.losses else None,
-            loss_last=record.losses[-1] if record.losses else None,
+            start_step=call.start_step, steps=call.end_step, meter=call.throughput,
+            loss_first=call.losses[0] if call.losses else None,
+            loss_last=call.losses[-1] if call.losses else None,
             stopped=self.stopped, checkpoint=self.saved,
             batch_size=args.per_device_train_batch_size,
             accumulation=args.gradient_accumulation_steps, counts_tokens=True,
@@ -252,7 +252,7 @@ class _StopOnSignal(TrainerCallback):
         return control
 
 
-class _RunRecord(TrainerCallback):
+class _TrainCall(TrainerCallback):
     """What this `train()` call did: its first and last step, the losses it logged, its
     throughput through xscale.throughput (first step left out as warm-up), and its saves'
     stalls in the tally.
@@ -321,10 +321,10 @@ class _ProfileSteps(TrainerCallback):
         self.window.close()
 
 
-def _checkpoint_written(output_dir: str, record: _RunRecord) -> str | None:
+def _checkpoint_written(output_dir: str, call: _TrainCall) -> str | None:
     """The checkpoint of the step this train() call ended at, if it wrote one."""
-    path = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{record.end_step}")
-    written = record.end_step > record.start_step and os.path.isfile(
+    path = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{call.end_step}")
+    written = call.end_step > call.start_step and os.path.isfile(
         os.path.join(path, TRAINER_STATE))
     return path if written else None
 

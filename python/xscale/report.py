@@ -3,7 +3,7 @@
 
 Reads the machine-readable lines a trainer prints (XSCALE_SUMMARY from rank 0, XSCALE_RANK from
 every rank), run.sh's `xscale: launcher=...` line and the step supervisor's XSCALE_GOODPUT, and
-the whole summary in the file the summary line names (xscale.records.whole_summary), or that
+the whole summary in the file the summary line names (xscale.taglines.whole_summary), or that
 file alone; prints what a person wants to know, with the start-up phases (xscale.startup): each
 phase's median and slowest rank@node.
 `--png` also draws them, one row per node, into JOB_OUTPUT_FILE.startup.png (xscale.picture).
@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from xscale import records, startup
+from xscale import startup, taglines
 
 
 class ReportError(Exception):
@@ -51,7 +51,7 @@ def losses(summary: dict) -> str:
 
 def render(lines: list[str]) -> str:
     summary = last_summary(lines)
-    nodes = sorted({record["node"] for record in records.tagged(lines, "XSCALE_RANK")})
+    nodes = sorted({record["node"] for record in taglines.tagged(lines, "XSCALE_RANK")})
     where = f"{len(nodes)} nodes ({', '.join(nodes)})" if nodes \
         else f"{summary.get('nodes', '?')} nodes"
     rows = [
@@ -71,7 +71,7 @@ def render(lines: list[str]) -> str:
     if isinstance(slowest, dict) and summary.get("world_size", 1) > 1:
         rows.append(("slowest", f"rank {slowest['rank']} on {slowest['node']}: "
                                 f"{slowest['factor']:.2f}x the median rank's own work per step"))
-    ledgers = records.tagged(lines, "XSCALE_GOODPUT")  # the supervisor's, as the job ended
+    ledgers = taglines.tagged(lines, "XSCALE_GOODPUT")  # the supervisor's, as the job ended
     if ledgers and ledgers[-1].get("text"):
         rows.append(("goodput", ledgers[-1]["text"]))
     text = "\n".join(f"  {name:<11} {value}" for name, value in rows)
@@ -81,17 +81,17 @@ def render(lines: list[str]) -> str:
 def last_summary(lines: list[str]) -> dict:
     """The last run's summary: the whole record from its file when the line names one that is
     still there, else the line's."""
-    summaries = records.tagged(lines, "XSCALE_SUMMARY")
+    summaries = taglines.tagged(lines, "XSCALE_SUMMARY")
     if not summaries:
         raise ReportError("no XSCALE_SUMMARY line (did the run finish?)")
-    return records.whole_summary(summaries[-1])
+    return taglines.whole_summary(summaries[-1])
 
 
 def rank_phases(lines: list[str], summary: dict) -> list[startup.RankPhases]:
     """Each rank's start-up phases from its XSCALE_RANK line. A requeued job's output holds one
     line per rank per run: the last one of each rank is the run the summary is about."""
     latest: dict[int, startup.RankPhases] = {}
-    for record in records.tagged(lines, "XSCALE_RANK"):
+    for record in taglines.tagged(lines, "XSCALE_RANK"):
         phases, rank = record.get("startup"), record.get("rank")
         if isinstance(phases, dict) and isinstance(rank, int) \
                 and rank < summary.get("world_size", rank + 1):
@@ -116,7 +116,7 @@ def read_output(output: Path) -> list[str]:
     if output.suffix != ".json":
         return output.read_text(errors="replace").splitlines()
     try:
-        record = records.read_summary_file(output)
+        record = taglines.read_summary_file(output)
     except ValueError as error:
         raise ReportError(f"{output}: not a summary file ({error})") from None
     return [f"XSCALE_SUMMARY {json.dumps(record)}"]

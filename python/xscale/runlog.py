@@ -2,7 +2,7 @@
 
 - TrainLog: the loss reduced every `log_every` steps, a tqdm bar and TensorBoard, on rank 0.
 - The machine-readable lines, for tests, benchmarks, the step supervisor and xscale.report
-  (xscale.records reads them). Every rank: `XSCALE_RANK {json}` (rank, local_rank, node, steps,
+  (xscale.taglines reads them). Every rank: `XSCALE_RANK {json}` (rank, local_rank, node, steps,
   param_digest, startup): replicas that are really replicas have the same digest, the cheapest
   proof that gradients were reduced; startup holds the rank's start-up phases in seconds
   (xscale.startup).
@@ -51,7 +51,7 @@ SUMMARY_FILE = "xscale-summary.json"
 # Only in the file: each phase's median, slowest rank and its node, six times over, is 500 to
 # 700 bytes on a large job; the line would not fit with it.
 FILE_ONLY = ("startup",)
-# srun --label cuts a line after 1024 bytes (xscale.records.SRUN_LABEL_CUT) and prefixes it with
+# srun --label cuts a line after 1024 bytes (xscale.taglines.SRUN_LABEL_CUT) and prefixes it with
 # the task's number, as wide as the job's largest ("123456: "). The line's JSON stays within
 # this many bytes, so that even with its tag and that label it keeps 80 bytes to spare.
 LINE_BUDGET = 920

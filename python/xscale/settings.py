@@ -14,7 +14,7 @@ Bad input, as a user meets it:
   asked for.
 
 Standard library only and Python 3.6 syntax: the batch host's programs may load this file by its
-path (jobs/lib/shared.py), as they load records.py.
+path (jobs/lib/shared.py), as they load taglines.py.
 """
 
 import argparse

@@ -80,7 +80,7 @@ echo "after the step"
 JOB
   run bash "$WORK/job.sh"
   [ "$status" -eq 0 ]
-  [[ $output == *"staging done"*"not starting the step: SIGUSR1 came before it"*"after the step"* ]]
+  [[ $output == *"staging done"*"not starting the launch: SIGUSR1 came before it"*"after the step"* ]]
   [ ! -e "$WORK/trained" ]
   [ "$(cat "$WORK/scontrol.calls")" = "requeue 42" ]
 }
@@ -146,7 +146,7 @@ HW_EXCEPTION='HW Exception by GPU node-4 (Agent handle: 0x1ebc04e0) reason :GPU 
   [ "$(cat "$WORK/scontrol.calls")" = "show job 42
 requeue 42
 update JobId=42 ExcNodeList=nid001" ]
-  grep -q "run 0: excluded nid001" "$WORK/records/retries"
+  grep -q "attempt 0: excluded nid001" "$WORK/records/retries"
 }
 
 @test "a node Slurm set down during the step is blamed without any pattern" {
@@ -167,7 +167,7 @@ update JobId=42 ExcNodeList=nid001" ]
 
 @test "retries stop at XSCALE_MAX_RETRIES, and without XSCALE_RETRY the report says how to" {
   mkdir -p "$WORK/records"
-  printf 'run 0: excluded nid003\nrun 1: excluded nid004\n' >"$WORK/records/retries"
+  printf 'attempt 0: excluded nid003\nattempt 1: excluded nid004\n' >"$WORK/records/retries"
   XSCALE_RETRY=1 XSCALE_MAX_RETRIES=2 XSCALE_BLAME=lumi failed_job "$HW_EXCEPTION"
   [[ $output == *"not retrying job 42 without nid001: 2 retries already (XSCALE_MAX_RETRIES=2)"* ]]
   [ ! -e "$WORK/scontrol.calls" ]

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from xscale import records
+from xscale import taglines
 from xscale.runtime import STOP_VOTE_EVERY as LOG_EVERY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def healthy(runs: int, steps: int) -> None:
     for run in range(runs):
         text = run_to_end(f"healthy{run}", steps)
         lines += len(STRAGGLER.findall(text))
-        summary = records.tagged(text.splitlines(), "XSCALE_SUMMARY")[-1]
+        summary = taglines.tagged(text.splitlines(), "XSCALE_SUMMARY")[-1]
         factors.append(summary.get("straggler", {}).get("factor"))
     print(f"healthy: {runs} runs of 4 nodes x 1 rank, {steps} steps: {lines} straggler lines; "
           f"the slowest rank's factor per run: {factors}")

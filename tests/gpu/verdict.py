@@ -2,7 +2,7 @@
 trainer's XSCALE_SUMMARY judged against what the node should have given it, the table printed at
 the end and the same as JSON. No torch and no subprocess here: the unit tests cover all of it.
 
-The summary is read with xscale.report (through xscale.records, the one reader of XSCALE_* lines),
+The summary is read with xscale.report (through xscale.taglines, the one reader of XSCALE_* lines),
 never parsed here.
 """
 

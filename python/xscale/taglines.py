@@ -17,7 +17,7 @@ import re
 # labelled again ("0: AAA...A" then "0: AAA"): the job templates run srun --label. xscale's own
 # summary line stays shorter (xscale.runlog.LINE_BUDGET); a trainer's other long lines, and the
 # summaries of xscale before it did, are joined again here. Measured with Slurm 22.05
-# (tests/test_records.py).
+# (tests/test_taglines.py).
 SRUN_LABEL_CUT = 1024
 SRUN_LABEL = re.compile(r"^ *(\d+): (.*)$")
 

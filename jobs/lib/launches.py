@@ -1,10 +1,11 @@
-"""One training step on the batch host: the srun line, its output, its signals and its watch.
+"""One launch of the training (a Slurm step) on the batch host: its line, output, signals and
+hang watch.
 
-The step's output goes to the job's output as it comes and, copied, to its log; the stop signals
-the batch shell writes down (jobs/lib/supervise.sh) or this process receives are passed on to it;
-a watch for a hang (jobs/lib/hangs.py) reads the flight records the ranks leave in the step's
-own directory, XSCALE_FR_DIR; rank 0 notes its progress in XSCALE_PROGRESS for the goodput
-ledger (jobs/lib/goodput.py). Standard library only, Python 3.6 and later.
+The launch's output goes to the job's output as it comes and, copied, to its log; the stop
+signals the batch shell writes down (jobs/lib/supervise.sh) or this process receives are passed
+on to it; a watch for a hang (jobs/lib/hangs.py) reads the flight records the ranks leave in the
+launch's own directory, XSCALE_FR_DIR; rank 0 notes its progress in XSCALE_PROGRESS
+(python/xscale/contract.py names both). Standard library only, Python 3.6 and later.
 """
 
 import os
@@ -18,7 +19,7 @@ import hangs
 from shared import contract, say
 
 STOP_SIGNALS = {signal.SIGUSR1: "USR1", signal.SIGTERM: "TERM"}
-COPY_DRAIN_S = 5  # how long the step's output may trail its end (a process it left behind)
+COPY_DRAIN_S = 5  # how long the launch's output may trail its end (a process it left behind)
 
 
 def record_stop(stop_file, name):
@@ -36,7 +37,7 @@ def stop_signals(stop_file):
         return []
 
 
-class Step:
+class SupervisedLaunch:
     """LINE (a LaunchLine: jobs/lib/launch_line.py) run and logged to LOG, with ENV added to its
     environment and PLACEMENT (rank -> node) for its hang watch."""
 
@@ -47,16 +48,17 @@ class Step:
         self.forwarded = set()
         self.fr_dir = contract.launch_file(log, contract.FLIGHT_RECORDS)
 
-    def run(self):
+    def execute(self):
+        """Start the launch, pass the stop signals on, wait for its end; its exit status."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, self.on_stop)
         came = stop_signals(self.stop_file)
         if came:
-            say("not starting the step: SIG%s came before it" % came[-1])
+            say("not starting the launch: SIG%s came before it" % came[-1])
             return 143 if came[-1] == "TERM" else 0
         # The launch time, for the trainers' start-up phases (docs/STARTUP.md), in bash's
-        # EPOCHREALTIME form; only this step's environment holds it, so an srun typed later by
-        # hand reports its launch as unknown rather than this step's.
+        # EPOCHREALTIME form; only this launch's environment holds it, so an srun typed later by
+        # hand reports its launch as unknown rather than this launch's.
         env = dict(os.environ, **self.env)
         env.update({contract.LAUNCH_TIME_VAR: "%.6f" % time.time(),
                     contract.FR_DIR_VAR: self.fr_dir,
@@ -68,12 +70,12 @@ class Step:
                 self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT)
             except OSError as error:
-                say("cannot start the step: %s: %s" % (argv[0], error.strerror))
+                say("cannot start the launch: %s: %s" % (argv[0], error.strerror))
                 return 127
             copier = threading.Thread(target=copy_output, args=(self.proc.stdout, log),
                                       daemon=True)
             copier.start()
-            # A signal the batch shell got while this program started found no step to pass
+            # A signal the batch shell got while this program started found no launch to pass
             # it on to.
             for name in sorted(set(stop_signals(self.stop_file))):
                 self.forward(getattr(signal, "SIG" + name))
@@ -83,8 +85,8 @@ class Step:
             status = self.proc.wait()
             watch.stop()
             remove_if_empty(self.fr_dir)
-            # The output ends with the step, unless a process it left behind holds the pipe:
-            # then the log may miss that process's lines, not the step's.
+            # The output ends with the launch, unless a process it left behind holds the pipe:
+            # then the log may miss that process's lines, not the launch's.
             copier.join(COPY_DRAIN_S)
         return 128 - status if status < 0 else status
 
@@ -100,7 +102,7 @@ class Step:
         twice (from the batch shell, and from scancel to every process of the batch step)."""
         if signum not in self.forwarded and self.proc.poll() is None:
             self.forwarded.add(signum)
-            say("SIG%s received: the ranks save a checkpoint after this step and exit"
+            say("SIG%s received: the ranks save a checkpoint after their current step and exit"
                 % STOP_SIGNALS[signum])
             self.proc.send_signal(signum)
 
@@ -109,7 +111,7 @@ def remove_if_empty(directory):
     try:
         os.rmdir(directory)
     except OSError:
-        pass  # it holds the flight records of a failed step
+        pass  # it holds the flight records of a failed launch
 
 
 def copy_output(pipe, log):
