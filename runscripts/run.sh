@@ -67,7 +67,7 @@ Exported (each kept if already set):
                       on every rank; export it yourself for an image with an older torch.
   TORCH_FR_BUFFER_SIZE=2000   torch's flight recorder: the last collectives, numbered, so that a
                       timeout names the rank that never joined (docs/FAILURES.md); with
-                      XSCALE_FR_DIR (the step supervisor's), TORCH_NCCL_DUMP_ON_TIMEOUT=1 and
+                      XSCALE_FR_DIR (the supervisor's), TORCH_NCCL_DUMP_ON_TIMEOUT=1 and
                       TORCH_FR_DUMP_TEMP_FILE=XSCALE_FR_DIR/rank
   XSCALE_SITE, XSCALE_LAUNCHER   what was detected
   XSCALE_T_RUNSH, XSCALE_T_EXEC  wall-clock times (s since 1970) of run.sh's start and of the exec,

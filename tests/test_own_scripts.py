@@ -1,4 +1,4 @@
-"""Scripts of a user's own, not xscale's trainers, through run.sh and the step supervisor on the
+"""Scripts of a user's own, not xscale's trainers, through run.sh and the supervisor on the
 virtual cluster: what they get without a line of xscale in them, what the lines
 docs/YOUR-SCRIPT.md shows add (a stop at Slurm's warning with a checkpoint, the requeue and the
 resume, the straggler line, the summary, the goodput ledger), and the mistakes carried over from

@@ -683,7 +683,7 @@ def test_only_the_current_async_error_handling_name_is_exported(tmp_path):
 
 def test_the_flight_recorder_is_on_and_dumps_where_the_supervisor_reads(tmp_path):
     """On by default under its current name (the old TORCH_NCCL_TRACE_BUFFER_SIZE would warn);
-    NCCL's dump on a timeout only where the step supervisor gave a directory for it."""
+    NCCL's dump on a timeout only where the supervisor gave a directory for it."""
     plain = print_env(base_env(tmp_path, **recorded_slurm_env()))
     assert plain["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in plain

@@ -1,4 +1,4 @@
-"""One attempt of a batch job, as the step supervisor keeps it between its commands: the launches
+"""One attempt of a batch job, as the supervisor keeps it between its commands: the launches
 of the training (Slurm steps) and what the supervisor decided. A requeue starts the job's next
 attempt; Slurm counts them in SLURM_RESTART_COUNT, and each is XSCALE_RECORDS_DIR/attemptA.json.
 

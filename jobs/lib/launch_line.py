@@ -1,4 +1,4 @@
-"""The training's launch line as data: what the step supervisor runs, built from its parts.
+"""The training's launch line as data: what the supervisor runs, built from its parts.
 
 A site prelude (jobs/lib/local.sh, lumi.sh) hands the supervisor the parts of its srun line, not
 the line itself:

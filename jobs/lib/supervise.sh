@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# The batch shell's side of the step supervisor (jobs/lib/supervisor.py), for Slurm job scripts.
+# The batch shell's side of the supervisor (jobs/lib/supervisor.py), for Slurm job scripts.
 # The site preludes source it (jobs/lib/lumi.sh, local.sh); a script of your own can too:
 #
 #   #SBATCH --signal=B:USR1@300     # USR1 to the batch shell 300 s before the time limit

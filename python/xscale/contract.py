@@ -1,5 +1,5 @@
 """The contract between the batch host and the ranks: every file, progress event and variable the
-step supervisor (jobs/lib) and the training processes (this package) hand each other, named here
+supervisor (jobs/lib) and the training processes (this package) hand each other, named here
 and nowhere else.
 
 The supervisor keeps each launch of the training (one Slurm step) in the records directory as

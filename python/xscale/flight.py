@@ -1,10 +1,10 @@
-"""The flight recorder's record of a failed rank, for the step supervisor to name a hung one.
+"""The flight recorder's record of a failed rank, for the supervisor to name a hung one.
 
 torch's flight recorder keeps the last TORCH_FR_BUFFER_SIZE collectives of every process group
 (run.sh turns it on), each with its sequence number; a process group's status says which it
 enqueued last and which it completed last. When a collective times out, the ranks that wait in
 it know its number; the rank that never joined it is the one whose record is missing (a frozen
-process cannot write its own) or stops short of it. The step supervisor (jobs/lib/supervisor.py)
+process cannot write its own) or stops short of it. The supervisor (jobs/lib/supervisor.py)
 exports XSCALE_FR_DIR for the step and reads the records there after it fails.
 
 On NCCL and RCCL, torch's watchdog writes the record itself when a collective times out

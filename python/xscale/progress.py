@@ -1,4 +1,4 @@
-"""Rank 0's progress, noted for the step supervisor (jobs/lib/goodput.py, jobs/lib/supervisor.py).
+"""Rank 0's progress, noted for the supervisor (jobs/lib/goodput.py, jobs/lib/supervisor.py).
 
 The supervisor gives each launch a file, XSCALE_PROGRESS; rank 0 appends one JSON line per event
 (xscale.contract names them: the first step, each log interval, each checkpoint with the time it

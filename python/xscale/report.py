@@ -2,7 +2,7 @@
 `xscale report OUTPUT_DIR/xscale-summary.json` (also `python -m xscale.report ...`).
 
 Reads the machine-readable lines a trainer prints (XSCALE_SUMMARY from rank 0, XSCALE_RANK from
-every rank), run.sh's `xscale: launcher=...` line and the step supervisor's XSCALE_GOODPUT, and
+every rank), run.sh's `xscale: launcher=...` line and the supervisor's XSCALE_GOODPUT, and
 the whole summary in the file the summary line names (xscale.taglines.whole_summary), or that
 file alone; prints what a person wants to know, with the start-up phases (xscale.startup): each
 phase's median and slowest rank@node.

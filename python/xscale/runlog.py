@@ -1,7 +1,7 @@
 """The run log: what a person watches while a run goes on, and the records it leaves.
 
 - TrainLog: the loss reduced every `log_every` steps, a tqdm bar and TensorBoard, on rank 0.
-- The machine-readable lines, for tests, benchmarks, the step supervisor and xscale.report
+- The machine-readable lines, for tests, benchmarks, the supervisor and xscale.report
   (xscale.taglines reads them). Every rank: `XSCALE_RANK {json}` (rank, local_rank, node, steps,
   param_digest, startup): replicas that are really replicas have the same digest, the cheapest
   proof that gradients were reduced; startup holds the rank's start-up phases in seconds

@@ -74,7 +74,7 @@ def start(*, backend: str | None = None, init_method: str | None = None,
 
     Before that it catches Slurm's stop signals (the warning may come during start-up) and
     checks the XSCALE_* settings; afterwards a collective that fails leaves this rank's flight
-    record for the step supervisor (xscale.flight). `backend`: nccl, gloo, xccl... (default:
+    record for the supervisor (xscale.flight). `backend`: nccl, gloo, xccl... (default:
     the device's, or XSCALE_BACKEND); `init_method`: pytorch/examples' --dist-url (default:
     MASTER_ADDR/MASTER_PORT from run.sh); `require_gpu`: fail in one line on a rank without
     one. `placement`: rank, world_size, gpu, as pytorch/examples' --rank, --world-size, --gpu.

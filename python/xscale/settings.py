@@ -139,7 +139,7 @@ READERS = (
     ("the doctor", "Read by the doctor",
      "runscripts/doctor reads these on every rank (docs/DOCTOR.md); a bad number is refused "
      "like a bad option, exit status 2."),
-    ("the supervisor", "Read by the job templates and the step supervisor",
+    ("the supervisor", "Read by the job templates and the supervisor",
      "The batch host reads these (jobs/lib/supervise.sh, supervisor.py; docs/FAILURES.md) "
      "before the first step; a bad value is one line and exit status 2."),
     ("staging", "Read by staging",
@@ -235,7 +235,7 @@ SETTINGS = (
     Setting("XSCALE_DOCTOR_MIN_BUSBW_GBPS", text("number (GB/s)"), "",
             "all-reduce bus bandwidth below which a job of several nodes gets a WARN (empty: "
             "no floor)", DOCTOR, shown="the site profile's (LUMI: 20)"),
-    # -- the job templates and the step supervisor
+    # -- the job templates and the supervisor
     Setting("XSCALE_ROOT", PATH, None,
             "the xscale checkout the job templates run from; every node must see it", JOBS,
             shown="SLURM_SUBMIT_DIR (Aurora: the working directory)"),
@@ -291,13 +291,13 @@ SETTINGS = (
             "the slow-storage fake: seconds added to every fsync", TEST_BED),
     # -- set by xscale
     Setting("XSCALE_FR_DIR", PATH, None,
-            "the step supervisor's: where each rank leaves its flight record when a collective "
+            "the supervisor's: where each rank leaves its flight record when a collective "
             "fails (run.sh points TORCH_FR_DUMP_TEMP_FILE there)", XSCALE),
     Setting("XSCALE_PROGRESS", PATH, None,
-            "the step supervisor's: the file rank 0 notes its progress in, for the goodput "
+            "the supervisor's: the file rank 0 notes its progress in, for the goodput "
             "ledger", XSCALE),
     Setting("XSCALE_LAUNCH_T", CLOCK, None,
-            "the step supervisor's (Aurora: jobs/lib/aurora.sh): when it launched the step",
+            "the supervisor's (Aurora: jobs/lib/aurora.sh): when it launched the step",
             XSCALE),
     Setting("XSCALE_T_RUNSH", CLOCK, None, "run.sh's: when it began on this rank", XSCALE),
     Setting("XSCALE_T_EXEC", CLOCK, None, "run.sh's: when it exec'd the trainer", XSCALE),
@@ -319,7 +319,7 @@ BY_NAME = {setting.name: setting for setting in SETTINGS}
 OUTPUT_TAGS = (
     ("XSCALE_SUMMARY", "rank 0's last line: the run's summary (xscale.runlog, xscale report)"),
     ("XSCALE_RANK", "each rank's own record: its node, steps, start-up phases"),
-    ("XSCALE_GOODPUT", "the step supervisor's goodput ledger as the job ends"),
+    ("XSCALE_GOODPUT", "the supervisor's goodput ledger as the job ends"),
     ("XSCALE_CHECK", "the test bed's all-reduce program (tests/programs/allreduce.py)"),
 )
 

@@ -3,7 +3,7 @@
 
     rank_stack.py JOB.STEP RANK
 
-The step supervisor (jobs/lib/supervisor.py) starts this on the node that holds a rank which
+The supervisor (jobs/lib/supervisor.py) starts this on the node that holds a rank which
 never joined a collective, with `srun --overlap`, in the step's own image (py-spy is in it):
 it finds the rank's process (the one whose environment names this job step and RANK, and whose
 parent does not: not one of its DataLoader workers) and prints `py-spy dump` of it. --nonblocking:

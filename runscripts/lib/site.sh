@@ -126,7 +126,7 @@ xs_failure_defaults() {
   # sequence numbers, so that a collective that times out names the rank that never joined it
   # (python/xscale/flight.py; docs/FAILURES.md). 2000 entries, as PyTorch's flight recorder
   # tutorial recommends; its cost, measured with tests/bench/flight_recorder.py, is in
-  # docs/FAILURES.md. With the step supervisor's XSCALE_FR_DIR, NCCL's and RCCL's watchdog
+  # docs/FAILURES.md. With the supervisor's XSCALE_FR_DIR, NCCL's and RCCL's watchdog
   # writes it there when a collective times out, as xscale's trainers do on gloo.
   xs_default TORCH_FR_BUFFER_SIZE 2000
   if [[ -n ${XSCALE_FR_DIR:-} ]]; then
