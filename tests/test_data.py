@@ -12,6 +12,10 @@ import torch
 from xscale import data
 from xscale.lifecycle import UserError
 
+from tests.conftest import REPO
+
+PROGRAMS = REPO / "tests" / "programs"
+
 # ---------------------------------------------------------------------------------------------
 # data: resumable epochs and exact evaluation shards
 # ---------------------------------------------------------------------------------------------
@@ -60,46 +64,19 @@ def test_accumulated_steps_resume_at_the_same_micro_batch():
     assert batches(0, 4) + batches(4, 7) == whole
 
 
-WORKERS_AND_SIGNALS = r"""
-import os, signal, sys, torch
-from torch.utils.data import DataLoader, TensorDataset
-from xscale import data, lifecycle
-if __name__ == "__main__":
-    lifecycle.install_stop_handlers()
-    dataset = TensorDataset(torch.arange(64))
-    sampler = torch.utils.data.SequentialSampler(dataset)
-    if sys.argv[1] == "xscale":  # make_loader: spawn on GPUs, fork on CPUs
-        loader = data.make_loader(dataset, sampler, batch_size=4, workers=2,
-                                  device=torch.device(sys.argv[2]))
-    else:  # a plain DataLoader with the same start method
-        method = "spawn" if sys.argv[2] != "cpu" else "fork"
-        loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2,
-                            persistent_workers=True, multiprocessing_context=method)
-    seen = 0
-    for epoch in range(2):
-        for index, batch in enumerate(loader):
-            seen += len(batch[0])
-            if epoch == 0 and index == 1:  # workers are up: Slurm signals the whole task
-                os.killpg(os.getpgid(0), signal.SIGUSR1)
-    print(seen, lifecycle.stop_received() == signal.SIGUSR1, flush=True)
-    lifecycle.exit_cleanly(0)
-"""
-
-
 @pytest.mark.parametrize("how, start, survives", [
     ("xscale", "spawn", True), ("xscale", "fork", True),
     # The control: spawned workers start with SIGUSR1's default action, which kills them.
     # (Forked ones inherit the parent's handler, so a plain forked loader proves nothing.)
     ("plain", "spawn", False),
 ])
-def test_loader_workers_survive_slurms_warning_signal(tmp_path, how, start, survives):
+def test_loader_workers_survive_slurms_warning_signal(how, start, survives):
     """SIGUSR1 to the whole process group, as Slurm signals a step: make_loader's workers (and
     the resource tracker spawn uses) live on; a plain DataLoader's die of it. The device is
     only the choice of start method here: "cuda" stands for a GPU rank."""
     device = "cuda" if start == "spawn" else "cpu"  # only a name here: no GPU is touched
-    script = tmp_path / "workers.py"
-    script.write_text(WORKERS_AND_SIGNALS)
-    proc = subprocess.run([sys.executable, str(script), how, device], capture_output=True,
+    program = PROGRAMS / "loader_workers_under_sigusr1.py"
+    proc = subprocess.run([sys.executable, str(program), how, device], capture_output=True,
                           text=True, timeout=120, start_new_session=True,
                           env=dict(os.environ))
     if survives:

@@ -6,6 +6,7 @@ import copy
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -16,6 +17,8 @@ from xscale import dist
 from xscale.lifecycle import UserError
 
 from tests.conftest import REPO
+
+PROGRAMS = REPO / "tests" / "programs"
 
 # ---------------------------------------------------------------------------------------------
 # dist: the rank variables, checked
@@ -165,26 +168,18 @@ def test_this_machine_for_real_is_the_cpu_with_gloo():
         dist.choose_device(0, require_gpu=True)
 
 
-def test_single_process_needs_no_master_addr(tmp_path):
-    program = ("from xscale import lifecycle\nfrom xscale.dist import init_distributed\n"
-               "import torch\nctx = init_distributed()\nt = torch.ones(1)\n"
-               "torch.distributed.all_reduce(t)\nprint(ctx.rank, ctx.world_size, t.item())\n"
-               "lifecycle.exit_cleanly(0)\n")
-    script = tmp_path / "one.py"
-    script.write_text(program)
+def test_single_process_needs_no_master_addr():
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=env, timeout=60)
+    proc = subprocess.run([sys.executable, str(PROGRAMS / "single_process_group.py")],
+                          capture_output=True, text=True, env=env, timeout=60)
     assert (proc.returncode, proc.stdout) == (0, "0 1 1.0\n"), proc.stderr
 
 
-def test_missing_master_addr_is_a_user_error(tmp_path):
-    script = tmp_path / "p.py"
-    script.write_text("from xscale import lifecycle\nfrom xscale.dist import init_distributed\n"
-                      "lifecycle.run_and_exit(init_distributed, prog='p.py')\n")
+def test_missing_master_addr_is_a_user_error():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(PROGRAMS / "missing_master_addr.py")],
+                          capture_output=True, text=True,
                           env={**env, "RANK": "0", "WORLD_SIZE": "2"}, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.startswith("p.py: error: MASTER_ADDR is not set")
@@ -194,18 +189,6 @@ def test_missing_master_addr_is_a_user_error(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # the doctor's torch child takes the trainers' choice, with the oneCCL import where needed
 # ---------------------------------------------------------------------------------------------
-
-ONECCL_BINDINGS = '''"""Intel's oneccl_bindings_for_pytorch, as far as the doctor sees it."""
-import torch.distributed
-
-
-def _no_xpu_here(store, rank, world_size, timeout):
-    raise RuntimeError("the test's oneCCL bindings have no XPU to talk to")
-
-
-torch.distributed.Backend.register_backend("ccl", _no_xpu_here, devices=["xpu"])
-'''
-
 
 @pytest.fixture
 def doctor_torch(request):
@@ -237,7 +220,8 @@ def test_the_doctor_on_an_old_aurora_module_imports_oneccl_and_takes_ccl(
     comes from oneccl_bindings_for_pytorch, which must be imported to exist. The doctor's child
     makes the trainers' choice (xscale.dist) and imports it, as a trainer does."""
     fake_machine("xpu", 12)  # no xccl, and no bindings module already imported
-    (tmp_path / "oneccl_bindings_for_pytorch.py").write_text(ONECCL_BINDINGS)
+    shutil.copy(PROGRAMS / "fake_oneccl_bindings_for_pytorch.py",
+                tmp_path / "oneccl_bindings_for_pytorch.py")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.delenv("XSCALE_BACKEND", raising=False)

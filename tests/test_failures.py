@@ -665,34 +665,11 @@ def test_a_slowed_node_is_named_a_straggler_and_the_healthy_ones_never(cluster, 
 
 # --- atomic checkpoints ----------------------------------------------------------------------
 
-# Saves step 10, then starts saving step 20 with a writer that stops halfway (as a save to a slow
-# Lustre OST does when the time limit's KILL arrives) and says so on stdout.
-HALTED_SAVE = """
-import io, sys, torch
-from xscale import checkpoint
-
-out = sys.argv[1]
-checkpoint.save(out, 10, {"step": 10, "weights": torch.full((4096,), 10.0)})
-
-def halts_halfway(state, handle):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    handle.write(data[: len(data) // 2])
-    handle.flush()
-    print("halfway", flush=True)
-    sys.stdin.read()  # blocks until the test kills this process
-    handle.write(data[len(data) // 2:])
-
-state = {"step": 20, "weights": torch.full((4096,), 20.0)}
-checkpoint.atomic_save(state, checkpoint.checkpoint_path(out, 20), writer=halts_halfway)
-"""
-
-
 def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
     from xscale import checkpoint  # the trainers' own loader, as a resumed job runs it
 
-    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), "-c", HALTED_SAVE,
+    halted_save = REPO / "tests" / "programs" / "halted_checkpoint_save.py"
+    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), str(halted_save),
                              str(tmp_path)], env=dict(os.environ),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

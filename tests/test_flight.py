@@ -10,21 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-# A trainer's life in one process: its group, a collective, then a timeout-like failure. The
-# Hugging Face path registers the record as XscaleTrainer builds its context (hf._context).
-TRAINER = """
-import sys, torch, torch.distributed as dist
-from xscale import hf, lifecycle
+from tests.conftest import REPO
 
-def main():
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
-                            world_size=1)
-    hf._context(torch.device("cpu"))
-    dist.all_reduce(torch.ones(2))
-    raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
-
-lifecycle.run_and_exit(main, prog="trainer")
-"""
+# A trainer that fails in a collective, in one process.
+FAILING_COLLECTIVE_TRAINER = REPO / "tests" / "programs" / "failing_collective_trainer.py"
 
 
 def free_port() -> int:
@@ -39,7 +28,7 @@ def run_trainer(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     base = {**os.environ, "TORCH_FR_BUFFER_SIZE": "20",
             "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "SLURM_JOB_ID": "42",
             "SLURM_STEP_ID": "0", "SLURMD_NODENAME": "nid007"}
-    return subprocess.run([sys.executable, "-c", TRAINER, str(free_port())],
+    return subprocess.run([sys.executable, str(FAILING_COLLECTIVE_TRAINER), str(free_port())],
                           env={**base, **env}, capture_output=True, text=True, timeout=120)
 
 

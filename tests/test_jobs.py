@@ -106,34 +106,8 @@ def test_lumi_template_asks_for_lumi_g(path: Path):
 # gets, what stops a job before srun, and the time-limit path
 # ---------------------------------------------------------------------------------------------
 
-# Records each call (argv as JSON, and the MASTER_ADDR it inherited). A host-side step (mkdir,
-# tar, rm) runs once, here; a container step does not run. The training step (the one that
-# starts /runscripts/run*.sh) waits for USR1 when FAKE_SRUN_WAIT is set, as a running step waits
-# for Slurm's time-limit warning.
-FAKE_SRUN = r"""#!/usr/bin/env python3
-import json, os, signal, subprocess, sys, time
-log = os.environ["FAKE_LOG"]
-with open(os.path.join(log, "srun"), "a") as out:
-    record = {"argv": sys.argv[1:], "MASTER_ADDR": os.environ.get("MASTER_ADDR"),
-              **{k: v for k, v in os.environ.items() if k.startswith("SINGULARITYENV_")}}
-    out.write(json.dumps(record) + "\n")
-command = [a for a in sys.argv[1:] if not a.startswith("-")]
-if command and command[0].endswith("/stage-node"):  # jobs/lib/stage: once per node
-    for node in ("nid001", "nid002"):
-        subprocess.run(command, env={**os.environ, "SLURMD_NODENAME": node})
-    sys.exit(0)
-if command and command[0] != "singularity":
-    sys.exit(subprocess.run(sys.argv[1 + sys.argv[1:].index(command[0]):]).returncode)
-if os.environ.get("FAKE_SRUN_WAIT") and any("/runscripts/run" in a for a in sys.argv):
-    got = []
-    signal.signal(signal.SIGUSR1, lambda *_: got.append("USR1"))
-    open(os.path.join(log, "step-started"), "w").close()
-    deadline = time.monotonic() + 60
-    while not got and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with open(os.path.join(log, "step-signals"), "a") as out:
-        out.write("".join(got) + "\n")
-"""
+# srun: tests/programs/fake_srun.py (it records each call; the training step can wait for USR1).
+FAKE_SRUN = REPO / "tests" / "programs" / "fake_srun.py"
 FAKE_SCONTROL = r"""#!/bin/bash
 if [[ $1 == show && $2 == hostnames ]]; then printf 'nid001\nnid002\n'; exit 0; fi
 printf '%s\n' "$*" >>"$FAKE_LOG/scontrol"
@@ -151,9 +125,10 @@ LUMI_FILE_SYSTEMS = {"/pfs", "/scratch", "/projappl", "/project", "/flash", "/ap
 def stub_bin(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
-                       ("sbcast", FAKE_SBCAST)):
+    shutil.copy(FAKE_SRUN, bin_dir / "srun")
+    for name, body in (("scontrol", FAKE_SCONTROL), ("sbcast", FAKE_SBCAST)):
         (bin_dir / name).write_text(body)
+    for name in ("srun", "scontrol", "sbcast"):
         (bin_dir / name).chmod(0o755)
     (tmp_path / "log").mkdir(exist_ok=True)
     return bin_dir

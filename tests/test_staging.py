@@ -153,15 +153,10 @@ VENV=$("$XSCALE_ROOT/jobs/lib/stage" --name venv "$TREE")
 DATA=$("$XSCALE_ROOT/jobs/lib/stage" "$DATA_TAR")
 AGAIN=$("$XSCALE_ROOT/jobs/lib/stage" --name venv "$TREE")
 printf 'VENV=%s\nDATA=%s\nAGAIN=%s\n' "$VENV" "$DATA" "$AGAIN"
-PYTHONPATH=$VENV/site-packages srun python -c "$PROBE" "$VENV" "$DATA"
+PYTHONPATH=$VENV/site-packages srun python "$PROBE" "$VENV" "$DATA"
 "$XSCALE_ROOT/jobs/lib/stage" --clean
 """
-PROBE = """import os, socket, sys, xs_staged_pkg
-venv, data = sys.argv[1:]
-listing = ",".join(sorted(os.listdir(os.path.dirname(venv))))
-labels = open(data + "/labels.txt").read().strip()
-print("RANK", socket.gethostname(), xs_staged_pkg.__file__, listing, labels)
-"""
+PROBE = REPO / "tests" / "programs" / "staged_import_probe.py"
 FAIL_JOB = r"""#!/bin/bash
 set -euo pipefail
 status=0
@@ -199,7 +194,7 @@ def test_stage_once_per_node_reuse_and_import_from_the_node_local_copy(cluster, 
         tar.add(data, arcname=".")
     before = staging_dirs(cluster)
     out = sbatch(cluster, STAGE_JOB, tmp_path,
-                 {"TREE": str(tree), "DATA_TAR": str(data_tar), "PROBE": PROBE})
+                 {"TREE": str(tree), "DATA_TAR": str(data_tar), "PROBE": str(PROBE)})
     paths = dict(re.findall(r"^(VENV|DATA|AGAIN)=(\S+)$", out, re.M))
     dest = Path(paths["VENV"]).parent
     assert re.fullmatch(r"/tmp/\S+-xscale-stage-\d+", str(dest)), paths
@@ -264,18 +259,11 @@ def make_tar(tmp_path: Path, files: int = 50) -> Path:
     return tar_path
 
 
-STAGE_TAR = ("import sys, json\nfrom xscale import lifecycle, staging\n"
-         "def main():\n"
-         "    path = staging.stage_tar(sys.argv[1], sys.argv[2], local_rank=int(sys.argv[3]),\n"
-         "                             timeout_s=float(sys.argv[4]), poll_s=0.02)\n"
-         "    print(path)\n"
-         "sys.exit(lifecycle.run(main, prog='stage'))\n")
-
-
 def stage_ranks(tar_path: Path, dest: Path, ranks: list[int], timeout_s: float = 60) -> list:
     """Start the waiting ranks first, then local rank 0: they must wait for its marker."""
     env = dict(os.environ)
-    procs = [subprocess.Popen([sys.executable, "-c", STAGE_TAR, str(tar_path), str(dest), str(r),
+    program = REPO / "tests" / "programs" / "stage_tar_rank.py"
+    procs = [subprocess.Popen([sys.executable, str(program), str(tar_path), str(dest), str(r),
                                str(timeout_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env)
              for r in sorted(ranks, reverse=True)]

@@ -9,6 +9,8 @@ import sys
 
 from xscale import startup
 
+from tests.conftest import REPO
+
 # ---------------------------------------------------------------------------------------------
 # start-up phases: per rank, their aggregate, the report's table and picture
 # ---------------------------------------------------------------------------------------------
@@ -38,24 +40,13 @@ def test_moments_come_from_run_sh_and_the_batch_script(monkeypatch):
     assert startup.moments({})["launch"] is None
 
 
-# What a plain trainer imports (mnist_ddp.py), then its first call.
-IMPORTS_PROBE = """
-import json, os, sys, torch
-import xscale
-from xscale import UserError, startup, vision
-heavy = [name for name in ("torchvision", "torch.distributed.checkpoint") if name in sys.modules]
-before = startup.moments({})["imports"]
-xscale.start()
-print(json.dumps({"heavy": heavy, "before": before, "after": startup.moments({})["imports"]}))
-"""
-
-
 def test_importing_xscale_does_no_work_and_the_first_call_marks_the_imports():
     """No moment is marked, and neither torchvision nor torch.distributed.checkpoint is imported,
     by the modules a trainer imports: the `imports` phase ends at xscale.start(), so it holds
     xscale's own imports too, and mnist_ddp.py pays for no module it does not use."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-c", IMPORTS_PROBE], capture_output=True, text=True,
+    probe = REPO / "tests" / "programs" / "trainer_imports_probe.py"
+    proc = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True,
                           timeout=120, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout.splitlines()[-1])
