@@ -206,12 +206,6 @@ def test_build_rejects_an_unknown_target(work):
     assert proc.stderr.count("\n") == 1 and "unknown target 'frontier'" in proc.stderr
 
 
-def test_build_sh_is_shellcheck_clean():
-    proc = subprocess.run(["shellcheck", str(BUILD_SH)], capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert proc.returncode == 0, proc.stdout
-
-
 # --- one software stack: constraints.txt --------------------------------------------------------
 
 CONSTRAINTS = REPO / "constraints.txt"

@@ -97,19 +97,6 @@ def test_errors_are_one_line_and_exit_2(args, message):
     assert message in lines[0]
 
 
-def test_help_documents_the_layouts():
-    proc = masks("--help")
-    assert proc.returncode == 0
-    assert "lumi" in proc.stdout and "--cores-per-task" in proc.stdout and "--cores" in proc.stdout
-
-
-def test_shellcheck_clean():
-    proc = subprocess.run(
-        ["shellcheck", str(CPU_MASKS)], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert proc.returncode == 0, proc.stdout
-
-
 @pytest.mark.parametrize(
     "args",
     [("--cores-per-task", "1", "--tasks", "2"), ("--cores", "1", "0"), ("--cores", "0-1", "0-1")],

@@ -324,12 +324,6 @@ def test_unreadable_pbs_nodefile_is_an_error(tmp_path):
     assert proc.stderr.startswith(ERROR_PREFIX) and proc.stderr.count("\n") == 1
 
 
-def test_help_explains_the_suffix_decision():
-    proc = get_master("--help")
-    assert proc.returncode == 0
-    assert "node1-ib" in proc.stdout and "22.05" in proc.stdout
-
-
 @pytest.mark.parametrize("args", [["-x"], ["a", "b"]])
 def test_bad_usage_is_an_error(args):
     proc = get_master(*args)

@@ -121,23 +121,6 @@ def digests(output: str) -> set[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("trainer, options", [
-    (MNIST, ["--data", "--max-steps", "--epochs", "--batch-size", "--lr", "--output-dir",
-             "--no-resume", "--checkpoint-every", "--gpu", "--modelpath", "--logging-dir"]),
-    (IMAGENET, ["--arch", "--batch-size", "--workers", "--gpu", "--world-size", "--rank",
-                "--dist-url", "--dist-backend", "--epochs", "--lr", "--amp", "--channels-last",
-                "--max-steps", "--output-dir", "--image-size", "--stage-tar"]),
-    (DEEPSPEED, ["--deepspeed", "--deepspeed_config", "--local_rank", "--arch", "--batch-size",
-                 "--max-steps", "--output-dir", "--image-size", "--stage-tar"]),
-])
-def test_help_lists_the_seed_options(trainer, options):
-    proc = run_one(trainer, "--help", timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: ")
-    for option in options:
-        assert option in proc.stdout, option
-
-
 # ---------------------------------------------------------------------------------------------
 # Mistakes a user can make: one line, status 2, nothing trained
 # ---------------------------------------------------------------------------------------------
