@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_for
+
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO / ".venv" / "bin"
 SHIM_DIR = REPO / "tests" / "shim"
@@ -99,13 +101,11 @@ class Cluster:
         proc = subprocess.Popen(["srun", "-J", name, *args], cwd=REPO, env=tool_env(env),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + timeout
-            while not ready():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out, err = proc.communicate(timeout=60)
-                    raise AssertionError(f"srun ended or timed out before it was ready "
-                                         f"(status {proc.returncode}):\n{out[-3000:]}{err[-3000:]}")
-                time.sleep(0.2)
+            wait_for(lambda: ready() or proc.poll() is not None, timeout, "training under way")
+            if not ready():
+                out, err = proc.communicate(timeout=60)
+                raise AssertionError(f"srun ended before it was ready (status {proc.returncode})"
+                                     f":\n{out[-3000:]}{err[-3000:]}")
             job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True,
                                     text=True, timeout=30, check=True).stdout.strip()
             assert job_id.isdigit(), f"no job named {name} in squeue: {job_id!r}"
@@ -175,14 +175,11 @@ class Cluster:
 
     def wait_state(self, job_id: str, states: set[str], timeout: float) -> str:
         """Poll (bounded) until the job reaches one of `states`: a real state, not a fixed sleep."""
-        deadline = time.monotonic() + timeout
-        state = "UNKNOWN"
-        while time.monotonic() < deadline:
+        def reached() -> str | None:
             state, _ = self.job_state(job_id)
-            if state in states:
-                return state
-            time.sleep(0.2)
-        raise AssertionError(f"job {job_id} still {state} after {timeout}s")
+            return state if state in states else None
+
+        return wait_for(reached, timeout, f"job {job_id} to reach {sorted(states)}")
 
 
 def _skip_or_fail(reason: str) -> None:

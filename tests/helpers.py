@@ -95,12 +95,14 @@ def check_summary_schema(output: str, trainer: str) -> dict:
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str,
-             every: float = 0.2) -> None:
-    """Poll a real condition, bounded: the tests never sleep a fixed time to synchronise."""
+             every: float = 0.2) -> object:
+    """Poll a real condition, bounded: the tests never sleep a fixed time to synchronise. The
+    condition's first true value."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (met := condition()):
         assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
         time.sleep(every)
+    return met
 
 
 def rank_records(output: str, tag: str = "XSCALE_RANK") -> list[dict]:

@@ -20,13 +20,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, VENV_BIN, Job, tool_env
-from tests.helpers import check_summary_schema, env_lines, rank_records
+from tests.helpers import check_summary_schema, env_lines, rank_records, wait_for
 
 LUMI = sorted((REPO / "jobs" / "lumi").glob("*.sbatch"))
 LOCAL = sorted((REPO / "jobs" / "local").glob("*.sbatch"))
@@ -249,9 +248,7 @@ def test_lumi_template_stops_and_requeues_at_the_time_limit(path: Path, tmp_path
     clean stop the job requeues itself (jobs/lib/time-limit.sh; for real: test_failures.py)."""
     proc = run_template(path, tmp_path, FAKE_SRUN_WAIT="1", **template_inputs(tmp_path))
     started = tmp_path / "log" / "step-started"
-    deadline = time.monotonic() + 60
-    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: started.exists() or proc.poll() is not None, 60, "the step to start", 0.05)
     assert started.exists(), finish(proc)
     proc.send_signal(signal.SIGUSR1)
     code, err = finish(proc)

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests.fixtures.imagefolder import write_imagefolder, write_tar
 from tests.fixtures.mnist_idx import write_mnist
-from tests.helpers import rank_records, summary, whole_summary_lines
+from tests.helpers import rank_records, summary, wait_for, whole_summary_lines
 
 REPO = Path(__file__).resolve().parent.parent
 MNIST = "python/mnist_ddp.py"
@@ -97,15 +96,19 @@ def finish(procs: list, timeout: float = 300) -> tuple[list[int], str, str]:
 def wait_for_file(folder: Path, pattern: str, procs: list, timeout: float) -> None:
     """A file matching PATTERN appears in FOLDER while every rank runs; else the ranks are
     stopped and their output shown."""
-    deadline = time.monotonic() + timeout
-    while not any(folder.glob(pattern)):
-        if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs):
-            for proc in procs:
-                proc.kill()
-            codes, stdout, stderr = finish(procs, timeout=60)
-            raise AssertionError(f"no {pattern} (exit codes {codes}):\n{stdout[-3000:]}\n"
-                                 f"{stderr[-5000:]}")
-        time.sleep(0.1)
+    def found_or_ended() -> bool:
+        return any(folder.glob(pattern)) or any(proc.poll() is not None for proc in procs)
+
+    try:
+        wait_for(found_or_ended, timeout, pattern, every=0.1)
+    except AssertionError:
+        pass  # said below, with the ranks' output
+    if not any(folder.glob(pattern)):
+        for proc in procs:
+            proc.kill()
+        codes, stdout, stderr = finish(procs, timeout=60)
+        raise AssertionError(f"no {pattern} (exit codes {codes}):\n{stdout[-3000:]}\n"
+                             f"{stderr[-5000:]}")
 
 
 def run_ranks(world: int, *args: str, extra: dict[str, str] | None = None):
