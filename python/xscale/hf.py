@@ -81,7 +81,7 @@ class XscaleTrainer(Trainer):
         _load_cpu_ranks_on_the_cpu()
         self.ctx = _context(self.args.device)
         self.resume, self.report_at_end = resume, report_at_end
-        self.run_name = name or os.path.splitext(runtime.script_name())[0]
+        self.run_name = name or runtime.default_run_name()
         self.started = runtime.STARTED
         self.resume_from = newest_checkpoint(self.args.output_dir) if resume else None
         self.tally = runtime.RunTally(self.ctx)

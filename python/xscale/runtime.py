@@ -157,6 +157,11 @@ def script_name() -> str:
     return Path(sys.argv[0]).name or "python"
 
 
+def default_run_name() -> str:
+    """The run's name in its summary unless the script gives one: its file name without .py."""
+    return Path(script_name()).stem
+
+
 class RunTally:
     """What a run tallies as it trains, whichever loop drives it (Loop, or Hugging Face's Trainer
     through xscale.hf): its first step (the end of the start-up), its log intervals, the time
@@ -245,8 +250,10 @@ class Loop:
     summary goes there too (xscale-summary.json). epochs, max_steps: where training ends
     (both: whichever comes first; neither: never). accumulation: micro-batches per optimizer
     step. log_every: steps between the loss log and the stop vote. tensorboard_dir: the loss
-    curve (default OUTPUT_DIR/tb). name: the run's name in the summary (default: the script's
-    file name without .py). checkpoint_fields: more entries for each checkpoint file.
+    curve (default OUTPUT_DIR/tb). warmup_steps: the first steps left out of the rates (None:
+    a tenth of the run, 1 to 5, for a short benchmark run whose first steps search kernels).
+    name: the run's name in the summary (default: the script's file name without .py).
+    checkpoint_fields: more entries for each checkpoint file.
     A script with checkpoints of its own passes `save(step, epoch)`, called at the cadence
     above (returning where it saved), and `resumed_step`, the step it restored.
     """
@@ -257,13 +264,13 @@ class Loop:
                  epochs: int | None = None, max_steps: int | None = None, accumulation: int = 1,
                  checkpoint_every: int | str = 0, keep_checkpoints: int = 3, resume: bool = True,
                  log_every: int = 10, tensorboard_dir: Path | None = None,
-                 warmup_steps: int = 1, name: str | None = None,
+                 warmup_steps: int | None = 1, name: str | None = None,
                  checkpoint_fields: dict[str, Any] | None = None,
                  save: Callable[[int, int], Any] | None = None,
                  resumed_step: int | None = None) -> None:
         self.ctx, self.model, self.loader = ctx, model, loader
         self.prog = script_name()
-        self.trainer = name or Path(self.prog).stem
+        self.trainer = name or default_run_name()
         self.output_dir = None if output_dir is None else Path(output_dir)
         self.sampler = _resumable_sampler(loader)
         self.accumulation, self.batch_size = accumulation, loader.batch_size or 1
@@ -288,6 +295,8 @@ class Loop:
         self.stopped = False
         self._micro = 0  # micro-batches of the optimizer step under way
         self._voted_at: int | None = None
+        if warmup_steps is None:
+            warmup_steps = min(5, max(1, (self.end_step or 10) // 10))
         self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
         tensorboard_dir = tensorboard_dir or (self.output_dir and self.output_dir / "tb")
         self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=self.start_step,
@@ -306,14 +315,8 @@ class Loop:
         """The loop of a script with xscale's trainers' command line: --epochs, --max-steps,
         --grad-accum-steps (unless `accumulation` says), --log-every, --checkpoint-every,
         --keep-checkpoints, --no-resume (args.resume), --output-dir, --logging-dir (TensorBoard).
-        `warmup_steps` None: a tenth of the run, 1 to 5 steps (the rate of a short benchmark
-        run starts after its kernel search). `options`: Loop's other keywords."""
+        `options`: Loop's other keywords."""
         accumulation = args.grad_accum_steps if accumulation is None else accumulation
-        if warmup_steps is None:
-            sampler = _resumable_sampler(loader)
-            per_epoch = data.steps_per_epoch(sampler, loader.batch_size or 1, accumulation)
-            end_step = data.last_step(per_epoch, args.epochs, args.max_steps)
-            warmup_steps = min(5, max(1, (end_step or 10) // 10))
         return cls(ctx, loader, model=model, output_dir=args.output_dir, epochs=args.epochs,
                    max_steps=args.max_steps, accumulation=accumulation,
                    checkpoint_every=args.checkpoint_every,

@@ -249,13 +249,13 @@ SETTINGS = (
             "the pattern files that blame nodes: a word is jobs/lib/blame/WORD.patterns, a word "
             "with a / a path", JOBS, shown="slurm (LUMI templates: slurm lumi)"),
     Setting("XSCALE_RECORDS_DIR", PATH, None,
-            "the job's step logs, node states, retry history and goodput.json", JOBS,
+            "the job's launch logs, node states, retry history and goodput.json", JOBS,
             shown="SUBMIT_DIR/xscale-records/JOB (templates: OUTPUT_DIR/xscale-records)"),
     Setting("XSCALE_SPARES", whole(0), 0,
             "nodes of the allocation that wait idle to replace a failed one (fewer than the "
             "job's nodes)", JOBS),
     Setting("XSCALE_MAX_RESTARTS", whole(0), 3,
-            "restarts on spare nodes inside the allocation, per run of the job", JOBS),
+            "restarts on spare nodes inside the allocation, per attempt of the job", JOBS),
     # -- staging
     Setting("XSCALE_STAGE_DEST", PATH, None,
             "the node-local directory jobs/lib/stage unpacks into (--dest wins)", STAGING,
