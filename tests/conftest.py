@@ -29,6 +29,10 @@ IN_CI = os.environ.get("CI") == "true"
 CLUSTER_DIR = REPO / "tests" / "cluster"
 CLUSTER_STATE = Path(os.environ.get("XSCALE_CLUSTER_STATE", "/run/xscale-cluster"))
 NODES = ("nid001", "nid002", "nid003", "nid004")
+# DeepSpeed JIT-builds a CPU op on first use (about a minute): the tests that run DeepSpeed share
+# one build, in the directory .ci/run keeps between CI runs when it sets one.
+TORCH_EXTENSIONS = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                        or REPO / "build" / "torch-extensions")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -76,6 +80,15 @@ class Cluster:
                               capture_output=True, text=True, timeout=120, check=False)
         assert proc.returncode == 0, f"fault.sh {' '.join(args)}: {proc.stderr}"
         return proc.stdout
+
+    def slow_once_training(self, node: str, records: Path) -> None:
+        """Slow NODE down 90% (fault.sh slow) once rank 0 noted the first step in RECORDS, the
+        job's xscale-records: a start-up ten times as slow, `import torch` included, would
+        test nothing and cost a minute."""
+        notes = records / "attempt0-launch1.progress"
+        wait_for(lambda: notes.exists() and "first_step" in notes.read_text(), 240,
+                 "the first step")
+        self.fault("slow", node, "90")
 
     def srun(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 600
@@ -205,11 +218,42 @@ def cluster() -> Cluster:
     return Cluster()
 
 
+# Before xdist's own hook, which reads the xdist_group marks.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that uses the cluster, so `make unit` can leave them out."""
+    """Mark every test that uses the cluster, so `make unit` can leave them out, and put them in
+    one xdist group: they share four nodes and break them on purpose, so under `pytest -n 2
+    --dist loadgroup` (make test) they run one after another in one worker, while the other
+    worker runs the host-only tests in the time the cluster tests wait for Slurm."""
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under --dist loadgroup, stop before the first test if xdist left a cluster test out of
+    the group (it marks the group in the node id, which pytest 9.2 no longer lets it change:
+    constraints.txt): two workers would then break each other's nodes."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    loose = [item.nodeid for item in session.items
+             if item.get_closest_marker("cluster") and not item.nodeid.endswith("@cluster")]
+    if loose:
+        raise pytest.UsageError(f"pytest-xdist did not group the cluster tests ({loose[0]}); "
+                                "see constraints.txt on the pytest version")
+
+
+HOST_ONLY_NICENESS = 10
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under xdist, a worker running a host-only test gives way to the cluster's ranks: they are
+    pinned to cores (--cpu-bind), so a test process beside them at the same priority slows the
+    ranks of one core and not the other, which is what a straggler looks like. The ranks are
+    slurmstepd's children, not this worker's, and keep their priority."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("cluster") is None:
+        os.nice(max(0, HOST_ONLY_NICENESS - os.nice(0)))
 
 
 @pytest.fixture

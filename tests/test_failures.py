@@ -634,20 +634,21 @@ def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):
 
 def test_a_slowed_node_is_named_a_straggler_and_the_healthy_ones_never(cluster, mnist_data,
                                                                       tmp_path):
-    """4 nodes x 1 rank with nid004's processes stopped 90% of the time (fault.sh slow): nothing
-    fails, every step waits for rank 3, and rank 0 names it within a few log intervals (every 10
-    steps here, the first one warm-up); nid001-nid003 are never named. Healthy runs name nobody
-    (tests/test_jobs.py's runs assert it)."""
+    """4 nodes x 1 rank with nid004's processes stopped 90% of the time (fault.sh slow) from the
+    first step on: nothing fails, every step waits for rank 3, and rank 0 names it within a few
+    log intervals (every 10 steps here, the first one warm-up); nid001-nid003 are never named.
+    Healthy runs name nobody (tests/test_jobs.py's runs assert it)."""
     steps = 120
-    output = tmp_path / "job.out"
-    cluster.fault("slow", "nid004", "90")
+    output, out_dir = tmp_path / "job.out", tmp_path / "out"
+    job_id = cluster.submit(MNIST_JOB, output=output, sbatch_options=(
+        f"--chdir={REPO}", "--nodes=4", "--ntasks-per-node=1"), env={
+        "DATA": str(mnist_data), "OUTPUT_DIR": str(out_dir),
+        "MAX_STEPS": str(steps), "EPOCHS": "100000"})
     try:
-        job_id = cluster.submit(MNIST_JOB, output=output, sbatch_options=(
-            f"--chdir={REPO}", "--nodes=4", "--ntasks-per-node=1"), env={
-            "DATA": str(mnist_data), "OUTPUT_DIR": str(tmp_path / "out"),
-            "MAX_STEPS": str(steps), "EPOCHS": "100000"})
+        cluster.slow_once_training("nid004", out_dir / "xscale-records")
         state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 600)
     finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
         cluster.fault("heal", "nid004")
     text = output.read_text()
     assert state == "COMPLETED", text[-3000:]

@@ -123,14 +123,6 @@ def test_the_documented_lines_are_the_whole_difference(kind: str, script: str):
     assert changed_lines(code_lines(script), code_lines(with_xscale(script))) == documented
 
 
-def slow_nid002_once_training(cluster, records: Path) -> None:
-    """Slow nid002 down once rank 0 noted its first step in RECORDS: its start-up, as slow as
-    the rest, would test nothing and cost a minute."""
-    notes = records / "attempt0-launch1.progress"
-    wait_for(lambda: notes.exists() and "first_step" in notes.read_text(), 240, "the first step")
-    cluster.fault("slow", "nid002", "90")
-
-
 def requeue_after_the_warning(cluster, job_id: str, output: Path) -> str:
     """Once the straggler line names the slowed node: Slurm's time-limit warning as
     `--signal=B:USR1` sends it, to the batch shell, which hands it to the step; wait for the
@@ -210,7 +202,7 @@ def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler
         output=output, sbatch_options=THREE_RANKS,
         env={"OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1", **STRAGGLER_ENV})
     try:
-        slow_nid002_once_training(cluster, out / "xscale-records")
+        cluster.slow_once_training("nid002", out / "xscale-records")
         state = requeue_after_the_warning(cluster, job_id, output)
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from tests.conftest import TORCH_EXTENSIONS
 from tests.fixtures.imagefolder import write_imagefolder, write_tar
 from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import rank_records, summary, wait_for, whole_summary_lines
@@ -25,15 +26,13 @@ IMAGENET = "python/imagenet.py"
 DEEPSPEED = "python/imagenet_deepspeed.py"
 IMAGE = "xscale-test.sif"  # ignored by the shim: the host root plays the image
 CPU_CONFIG = "python/configs/ds_cpu_z1.json"
-# DeepSpeed JIT-builds an op on first use: keep it between runs, as CI keeps build/.
-EXTENSIONS = REPO / "build" / "torch-extensions"
 # Tiny but learnable: the loss falls clearly within these steps on 4 ranks.
 MNIST_TINY = ["--batch-size", "32", "--lr", "0.002", "--epochs", "1000", "--log-every", "4"]
 VISION_TINY = ["-a", "resnet18", "--image-size", "32", "-b", "32", "-j", "0", "--lr", "0.01",
                "--epochs", "1000", "-p", "4"]
 DS_TINY = ["--deepspeed", "--deepspeed_config", CPU_CONFIG, "-a", "resnet18", "--image-size",
            "32", "-b", "32", "-j", "0", "--epochs", "1000", "-p", "4"]
-DS_ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)}
+DS_ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)}
 
 
 @pytest.fixture(scope="module")
@@ -416,7 +415,7 @@ def test_imagenet_on_two_nodes_with_the_seed_command_line_stops_then_resumes(clu
 
 def test_imagenet_deepspeed_on_two_nodes_stops_on_usr1_and_resumes(cluster, images, tmp_path):
     folder, _ = images
-    EXTENSIONS.mkdir(parents=True, exist_ok=True)
+    TORCH_EXTENSIONS.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "out"
     common = [DEEPSPEED, *DS_TINY, "-j", "2", "--output-dir", str(out), "--checkpoint-every",
               "2", str(folder)]

@@ -119,9 +119,12 @@ SlurmdLogFile=/var/log/slurm/slurmd-%n.log
 # Each node has its own network namespace, so all share the default slurmd port. The nodes'
 # CPUs and GPUs come from this file, not from the (shared) hardware.
 SlurmdParameters=config_overrides
-# A node that stops answering (slurmd killed, hsn0 down) is DOWN after 10 s, not 5 minutes, so
-# a job on it ends with "Node failure" in seconds; a restarted slurmd brings it back.
-SlurmdTimeout=10
+# A node that stops answering (slurmd killed, hsn0 down) is DOWN in about 18 s, not 5 minutes,
+# so a job on it ends with "Node failure" in seconds; a restarted slurmd brings it back. Both
+# count: slurmctld pings every SlurmdTimeout/3 s, and a ping to a dead node fails only after
+# MessageTimeout (measured: 37 s from a crash to DOWN with 10 and 10, 28 s with 5 and 10).
+SlurmdTimeout=5
+MessageTimeout=5
 ReturnToService=2
 # No cgroups here: track processes by parentage; task/affinity makes --cpu-bind masks real.
 ProctrackType=proctrack/linuxproc
@@ -130,6 +133,10 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu
 SchedulerType=sched/backfill
+# A job that becomes eligible without an event (a requeued job's BeginTime passing) waits for
+# the next periodic pass: 60 s (main loop) or 30 s (backfill) by default, idle time on a
+# four-node bed where a pass costs microseconds.
+SchedulerParameters=sched_interval=2,bf_interval=1
 # No slurmdbd: keep finished jobs visible to 'scontrol show job' for an hour instead.
 MinJobAge=3600
 JobCompType=jobcomp/filetxt
