@@ -94,8 +94,52 @@ def test_lumi_profile_binds_gloo_to_hsn0_and_a_missing_interface_fails_fast(clus
     print(f"a missing GLOO_SOCKET_IFNAME interface failed the step in {took:.1f} s")
 
 
+# One MiB from nid004 to nid003 over hsn0, timed by the sender from its first byte until the
+# receiver has read the last (it answers only then): the link's rate, not the socket buffers'.
+RECEIVE = """
+import socket, sys
+with socket.create_server(("", 0)) as server:
+    print(server.getsockname()[1], flush=True)
+    peer, _ = server.accept()
+    got = 0
+    while chunk := peer.recv(65536):
+        got += len(chunk)
+    peer.sendall(str(got).encode())
+"""
+SEND = """
+import socket, sys, time
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as link:
+    started = time.perf_counter()
+    link.sendall(bytes(1 << 20))
+    link.shutdown(socket.SHUT_WR)
+    assert link.recv(64) == str(1 << 20).encode()
+    print(time.perf_counter() - started)
+"""
+
+
+def seconds_to_send_a_mebibyte() -> float:
+    """One MiB from nid004 to nid003, each end in its node's network namespace."""
+    receiver = subprocess.Popen(["ip", "netns", "exec", "nid003", "python3", "-c", RECEIVE],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        port = receiver.stdout.readline().strip()
+        sent = subprocess.run(["ip", "netns", "exec", "nid004", "python3", "-c", SEND,
+                               "10.77.0.13", port],
+                              capture_output=True, text=True, timeout=60, check=True)
+        return float(sent.stdout)
+    finally:
+        receiver.kill()
+        receiver.wait(timeout=30)
+
+
 def test_fault_helpers_break_one_node_and_heal_restores_it(cluster):
     try:
+        # A throttled link: a MiB at 8 Mbit/s takes at least a second (less the 4 KiB burst),
+        # however fast the machine; unthrottled it is memory speed.
+        cluster.fault("throttle-link", "nid004", "8mbit")
+        throttled_s = seconds_to_send_a_mebibyte()
+        assert throttled_s >= (1 << 20) * 8 / 8e6 * 0.95, throttled_s
+        assert re.search(r"^nid004 hsn0=UP .* rate=8Mbit$", cluster.fault("status"), re.M)
         # A full /tmp on nid003 only.
         cluster.fault("fill-tmp", "nid003")
         write = ["dd", "if=/dev/zero", "of=/tmp/xscale-fault-probe", "bs=64k", "count=1"]
@@ -109,7 +153,7 @@ def test_fault_helpers_break_one_node_and_heal_restores_it(cluster):
         reasons = subprocess.run(["sinfo", "-R", "-h", "-o", "%n|%E"], capture_output=True,
                                  text=True, timeout=30, check=True).stdout
         assert "nid004|xscale test: bad GPU" in reasons.splitlines()
-        # A dead slurmd: Slurm sets the node DOWN after SlurmdTimeout (10 s) and its next ping.
+        # A dead slurmd: Slurm sets the node DOWN after SlurmdTimeout (5 s) and its next ping.
         cluster.fault("kill-slurmd", "nid003")
         wait_for(lambda: sinfo_state("nid003").startswith("down"), 90, "nid003 to be DOWN")
         status = cluster.fault("status")
@@ -121,6 +165,9 @@ def test_fault_helpers_break_one_node_and_heal_restores_it(cluster):
         == {"nid003": "idle", "nid004": "idle"}
     assert not list(cluster.node_tmp("nid003").glob(".xscale-fault-fill*"))
     (cluster.node_tmp("nid004") / "xscale-fault-probe").unlink()
+    assert re.search(r"^nid004 .* rate=unlimited$", cluster.fault("status"), re.M)
+    print(f"a MiB over nid004's hsn0: {throttled_s:.2f} s at 8mbit, "
+          f"{seconds_to_send_a_mebibyte():.3f} s healed")
 
 
 def made_by_cluster_up() -> dict[str, list[str]]:

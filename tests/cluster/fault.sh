@@ -16,6 +16,9 @@ Usage: tests/cluster/fault.sh VERB NODE [ARGS]
   link-down NODE       take NODE's hsn0 down: a network partition (the node's ranks and its
                        slurmd become unreachable; Slurm sets the node DOWN after SlurmdTimeout)
   link-up NODE         bring hsn0 back
+  throttle-link NODE RATE
+                       limit what NODE sends through hsn0 to RATE (tc's token bucket, e.g.
+                       20mbit): a slow or congested link that drops nothing, until heal
   fill-tmp NODE        fill NODE's /tmp (a tmpfs) to the last byte
   free-tmp NODE        remove what fill-tmp wrote
   kill-slurmd NODE     SIGKILL NODE's slurmd; its running tasks live on, as after a daemon crash
@@ -26,7 +29,7 @@ Usage: tests/cluster/fault.sh VERB NODE [ARGS]
   drain NODE REASON    drain NODE with REASON, as an administrator would
   heal [NODE...]       undo all of the above on the nodes (default: every node), resume them and
                        wait until they are idle
-  status               one line per node: hsn0, /tmp use, slurmd, Slurm state
+  status               one line per node: hsn0, /tmp use, slurmd, Slurm state, hsn0's rate
 
 Nodes: nid001 nid002 nid003 nid004. Needs root and a running cluster (cluster-up.sh).
 EOF
@@ -50,6 +53,19 @@ free_tmp() {
   local tmp
   tmp=$(xsc_node_dir "$1")/tmp
   rm -f "$tmp/$FILLER".*
+}
+
+# throttle_link NODE RATE: a token-bucket filter (tc-tbf(8)) on the node's side of hsn0. Its
+# queue holds 100 ms at RATE, so a sender waits for the link rather than losing packets (a
+# netem-style loss is not in every kernel, and a collective over a lossy link only retransmits).
+throttle_link() {
+  [[ ${2:-} =~ ^[1-9][0-9]*(kbit|mbit|gbit)$ ]] ||
+    xsc_die "throttle-link: RATE must be a number with kbit, mbit or gbit, not '${2:-}'"
+  tc -n "$1" qdisc replace dev hsn0 root tbf rate "$2" burst 32kbit latency 100ms
+}
+
+unthrottle_link() {
+  tc -n "$1" qdisc del dev hsn0 root 2>/dev/null || true
 }
 
 kill_slurmd() {
@@ -96,6 +112,7 @@ heal() {
   for node in "$@"; do
     need_node "$node"
     unslow "$node"
+    unthrottle_link "$node"
     ip -n "$node" link set hsn0 up
     free_tmp "$node"
     xsc_start_slurmd "$node"
@@ -105,14 +122,16 @@ heal() {
 }
 
 status() {
-  local node link tmp_use daemon state
+  local node link rate tmp_use daemon state
   for node in "${XSC_NODES[@]}"; do
     link=$(ip -n "$node" -br link show hsn0 2>/dev/null | awk '{print $2}') || link=absent
+    rate=$(tc -n "$node" qdisc show dev hsn0 2>/dev/null |
+      awk '$2 == "tbf" { for (i = 1; i < NF; i++) if ($i == "rate") print $(i + 1) }')
     tmp_use=$(df --output=pcent "$(xsc_node_dir "$node")/tmp" 2>/dev/null | tail -n 1) || tmp_use='?'
     xsc_alive "$(xsc_slurmd_pidfile "$node")" && daemon=running || daemon=dead
     state=$(sinfo -h -n "$node" -o '%t' 2>/dev/null | head -n 1) || state='?'
-    printf '%s hsn0=%s tmp=%s slurmd=%s state=%s\n' "$node" "${link:-absent}" \
-      "${tmp_use// /}" "$daemon" "${state:-?}"
+    printf '%s hsn0=%s tmp=%s slurmd=%s state=%s rate=%s\n' "$node" "${link:-absent}" \
+      "${tmp_use// /}" "$daemon" "${state:-?}" "${rate:-unlimited}"
   done
 }
 
@@ -127,6 +146,7 @@ main() {
   case $verb in
     link-down) need_node "${1:-}"; ip -n "$1" link set hsn0 down ;;
     link-up) need_node "${1:-}"; ip -n "$1" link set hsn0 up ;;
+    throttle-link) need_node "${1:-}"; throttle_link "$1" "${2:-}" ;;
     fill-tmp) need_node "${1:-}"; fill_tmp "$1" ;;
     free-tmp) need_node "${1:-}"; free_tmp "$1" ;;
     kill-slurmd) need_node "${1:-}"; kill_slurmd "$1" ;;
