@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from xscale import contract
 
 from tests.helpers import wait_for
 
@@ -29,10 +30,6 @@ IN_CI = os.environ.get("CI") == "true"
 CLUSTER_DIR = REPO / "tests" / "cluster"
 CLUSTER_STATE = Path(os.environ.get("XSCALE_CLUSTER_STATE", "/run/xscale-cluster"))
 NODES = ("nid001", "nid002", "nid003", "nid004")
-# DeepSpeed JIT-builds a CPU op on first use (about a minute): the tests that run DeepSpeed share
-# one build, in the directory .ci/run keeps between CI runs when it sets one.
-TORCH_EXTENSIONS = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
-                        or REPO / "build" / "torch-extensions")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,6 +39,14 @@ def pytest_configure(config: pytest.Config) -> None:
         basetemp = REPO / "build" / "pytest-tmp"
         basetemp.parent.mkdir(exist_ok=True)  # pytest makes basetemp itself, not its parents
         config.option.basetemp = str(basetemp)
+
+
+def torch_extensions() -> Path:
+    """The one directory where the tests that run DeepSpeed share its JIT-built CPU op (about a
+    minute to build): the one .ci/run keeps between CI runs when it sets one, else build/."""
+    path = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or REPO / "build" / "torch-extensions")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def tool_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -85,8 +90,8 @@ class Cluster:
         """Slow NODE down 90% (fault.sh slow) once rank 0 noted the first step in RECORDS, the
         job's xscale-records: a start-up ten times as slow, `import torch` included, would
         test nothing and cost a minute."""
-        notes = records / "attempt0-launch1.progress"
-        wait_for(lambda: notes.exists() and "first_step" in notes.read_text(), 240,
+        notes = records / f"attempt0-launch1{contract.PROGRESS}"
+        wait_for(lambda: contract.first(contract.read_progress(notes), contract.FIRST_STEP), 240,
                  "the first step")
         self.fault("slow", node, "90")
 

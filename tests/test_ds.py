@@ -9,7 +9,7 @@ import pytest
 from xscale import ds
 from xscale.lifecycle import UserError
 
-from tests.conftest import REPO, TORCH_EXTENSIONS, VENV_BIN, tool_env
+from tests.conftest import REPO, VENV_BIN, tool_env, torch_extensions
 
 # ---------------------------------------------------------------------------------------------
 # ds: the DeepSpeed config against the command line (no DeepSpeed needed)
@@ -45,24 +45,12 @@ def test_bad_deepspeed_configs_are_user_errors(tmp_path):
         ds.load_config(tmp_path / "list.json")
 
 
-# What deepspeed.comm does on a CPU accelerator as it starts (deepspeed/comm/torch.py): JIT-build
-# the shared-memory all-reduce op, whose functions it then calls.
-BUILD_SHM_OP = """
-from deepspeed.comm.torch import build_shm_op
-op = build_shm_op()
-assert op is not None, "DeepSpeed chose no shared-memory op on this CPU"
-missing = [name for name in ("initialize", "vector_kernel_level") if not hasattr(op, name)]
-assert not missing, missing
-"""
-
-
 def test_deepspeeds_cpu_op_builds_against_this_torch():
     """DeepSpeed's CPU collectives build in the venv the jobs run in (its C++ against torch's
     headers and libraries), into the directory the bed's DeepSpeed runs share: under make test
     this host-only test usually builds it while the cluster tests run, so theirs is a load."""
-    TORCH_EXTENSIONS.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
-        [str(VENV_BIN / "python"), "-c", BUILD_SHM_OP], cwd=REPO, capture_output=True, text=True,
-        timeout=600, check=False,
-        env=tool_env({"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)}))
+        [str(VENV_BIN / "python"), str(REPO / "tests" / "programs" / "deepspeed_shm_op.py")],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        env=tool_env({"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(torch_extensions())}))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

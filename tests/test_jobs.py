@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TORCH_EXTENSIONS, VENV_BIN, Job, tool_env
+from tests.conftest import REPO, VENV_BIN, Job, tool_env, torch_extensions
 from tests.helpers import check_summary_schema, env_lines, rank_records, wait_for
 
 LUMI = sorted((REPO / "jobs" / "lumi").glob("*.sbatch"))
@@ -652,11 +652,10 @@ def test_lumi_imagenet_runs(cluster, tmp_path, imagenet_data):
 
 def test_lumi_imagenet_deepspeed_runs(cluster, tmp_path, imagenet_data):
     folder, _ = imagenet_data
-    TORCH_EXTENSIONS.mkdir(parents=True, exist_ok=True)
     env = virtual_env(
         tmp_path, DATA=str(folder), DS_ACCELERATOR="cpu",
         DS_CONFIG=str(REPO / "python" / "configs" / "ds_cpu_z1.json"),
-        TORCH_EXTENSIONS_DIR=str(TORCH_EXTENSIONS), **IMAGENET_TINY,
+        TORCH_EXTENSIONS_DIR=str(torch_extensions()), **IMAGENET_TINY,
     )
     job = submit(cluster, lumi("imagenet-deepspeed.sbatch"), tmp_path, 2, env=env)
     check_summary(job.output, "imagenet_deepspeed", 4)

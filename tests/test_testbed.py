@@ -94,36 +94,16 @@ def test_lumi_profile_binds_gloo_to_hsn0_and_a_missing_interface_fails_fast(clus
     print(f"a missing GLOO_SOCKET_IFNAME interface failed the step in {took:.1f} s")
 
 
-# One MiB from nid004 to nid003 over hsn0, timed by the sender from its first byte until the
-# receiver has read the last (it answers only then): the link's rate, not the socket buffers'.
-RECEIVE = """
-import socket, sys
-with socket.create_server(("", 0)) as server:
-    print(server.getsockname()[1], flush=True)
-    peer, _ = server.accept()
-    got = 0
-    while chunk := peer.recv(65536):
-        got += len(chunk)
-    peer.sendall(str(got).encode())
-"""
-SEND = """
-import socket, sys, time
-with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as link:
-    started = time.perf_counter()
-    link.sendall(bytes(1 << 20))
-    link.shutdown(socket.SHUT_WR)
-    assert link.recv(64) == str(1 << 20).encode()
-    print(time.perf_counter() - started)
-"""
+LINK_PROBE = str(REPO / "tests" / "programs" / "link_probe.py")
 
 
 def seconds_to_send_a_mebibyte() -> float:
     """One MiB from nid004 to nid003, each end in its node's network namespace."""
-    receiver = subprocess.Popen(["ip", "netns", "exec", "nid003", "python3", "-c", RECEIVE],
+    receiver = subprocess.Popen(["ip", "netns", "exec", "nid003", "python3", LINK_PROBE, "receive"],
                                 stdout=subprocess.PIPE, text=True)
     try:
         port = receiver.stdout.readline().strip()
-        sent = subprocess.run(["ip", "netns", "exec", "nid004", "python3", "-c", SEND,
+        sent = subprocess.run(["ip", "netns", "exec", "nid004", "python3", LINK_PROBE, "send",
                                "10.77.0.13", port],
                               capture_output=True, text=True, timeout=60, check=True)
         return float(sent.stdout)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.conftest import TORCH_EXTENSIONS
+from tests.conftest import torch_extensions
 from tests.fixtures.imagefolder import write_imagefolder, write_tar
 from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import rank_records, summary, wait_for, whole_summary_lines
@@ -32,7 +32,7 @@ VISION_TINY = ["-a", "resnet18", "--image-size", "32", "-b", "32", "-j", "0", "-
                "--epochs", "1000", "-p", "4"]
 DS_TINY = ["--deepspeed", "--deepspeed_config", CPU_CONFIG, "-a", "resnet18", "--image-size",
            "32", "-b", "32", "-j", "0", "--epochs", "1000", "-p", "4"]
-DS_ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(TORCH_EXTENSIONS)}
+DS_ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(torch_extensions())}
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +415,6 @@ def test_imagenet_on_two_nodes_with_the_seed_command_line_stops_then_resumes(clu
 
 def test_imagenet_deepspeed_on_two_nodes_stops_on_usr1_and_resumes(cluster, images, tmp_path):
     folder, _ = images
-    TORCH_EXTENSIONS.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "out"
     common = [DEEPSPEED, *DS_TINY, "-j", "2", "--output-dir", str(out), "--checkpoint-every",
               "2", str(folder)]
