@@ -638,7 +638,7 @@ def test_a_slowed_node_is_named_a_straggler_and_the_healthy_ones_never(cluster, 
     first step on: nothing fails, every step waits for rank 3, and rank 0 names it within a few
     log intervals (every 10 steps here, the first one warm-up); nid001-nid003 are never named.
     Healthy runs name nobody (tests/test_jobs.py's runs assert it)."""
-    steps = 120
+    steps = 80
     output, out_dir = tmp_path / "job.out", tmp_path / "out"
     job_id = cluster.submit(MNIST_JOB, output=output, sbatch_options=(
         f"--chdir={REPO}", "--nodes=4", "--ntasks-per-node=1"), env={

@@ -125,9 +125,10 @@ def test_the_documented_lines_are_the_whole_difference(kind: str, script: str):
 
 def requeue_after_the_warning(cluster, job_id: str, output: Path) -> str:
     """Once the straggler line names the slowed node: Slurm's time-limit warning as
-    `--signal=B:USR1` sends it, to the batch shell, which hands it to the step; wait for the
-    job to requeue itself, heal nid002, release the job (Slurm holds a requeued job back for a
-    while: tests/test_failures.py), and wait for its end."""
+    `--signal=B:USR1` sends it, to the batch shell, which hands it to the step; heal nid002
+    (the warning is on its way: a stop at a tenth of the pace would test nothing more), wait
+    for the job to requeue itself, release it (Slurm holds a requeued job back for a while:
+    tests/test_failures.py), and wait for its end."""
     try:
         wait_for(lambda: output.exists() and "xscale: straggler:" in output.read_text(), 240,
                  "the straggler line")
@@ -135,8 +136,8 @@ def requeue_after_the_warning(cluster, job_id: str, output: Path) -> str:
         text = output.read_text() if output.exists() else "(no output yet)"
         raise AssertionError(f"{error}\n{text[-4000:]}") from None
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
-    wait_for(lambda: cluster.job_state(job_id)[0] == "PENDING", 120, "the requeue")
     cluster.fault("heal", "nid002")
+    wait_for(lambda: cluster.job_state(job_id)[0] == "PENDING", 120, "the requeue")
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], check=True,
                    timeout=30)
     return cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 300)
@@ -177,11 +178,11 @@ def test_a_plain_ddp_script_with_xscales_lines_stops_resumes_and_names_a_straggl
         cluster, healed_nid002, tmp_path: Path):
     out, output = tmp_path / "out", tmp_path / "job.out"
     steps = 40 * (1024 // 3 // 32)  # 40 epochs of 10 steps per rank
-    cluster.fault("slow", "nid002", "90")  # from the start: its steps are milliseconds
     job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "40", "--output-dir", str(out),
                             output=output, sbatch_options=THREE_RANKS,
                             env={"OUTPUT_DIR": str(out), **STRAGGLER_ENV})
     try:
+        cluster.slow_once_training("nid002", out / "xscale-records")
         state = requeue_after_the_warning(cluster, job_id, output)
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)

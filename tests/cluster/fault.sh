@@ -24,7 +24,7 @@ Usage: tests/cluster/fault.sh VERB NODE [ARGS]
   kill-slurmd NODE     SIGKILL NODE's slurmd; its running tasks live on, as after a daemon crash
   crash NODE           SIGKILL every process on NODE (slurmd, job steps, ranks): a node failure
   start-slurmd NODE    start NODE's slurmd again (after kill-slurmd or crash)
-  slow NODE [PERCENT]  stop NODE's processes (its slurmd spared) PERCENT% of every 10 ms, default
+  slow NODE [PERCENT]  stop NODE's processes (its slurmd spared) PERCENT% of every 2 ms, default
                        60, until heal: a node that slows every step down and never fails
   drain NODE REASON    drain NODE with REASON, as an administrator would
   heal [NODE...]       undo all of the above on the nodes (default: every node), resume them and
