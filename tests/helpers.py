@@ -60,7 +60,8 @@ SUMMARY_TYPES = {
     "tokens_per_s": (float, None), "loss_first": float, "loss_last": float, "seconds": float,
     "train_seconds": float, "stopped_early": bool, "signal": (str, None),
     "checkpoint": (str, None), "checkpoint_stall_s": float, "checkpoints_saved": int,
-    "startup": dict, "straggler": (dict, None), "summary_file": str,
+    "startup": dict, "straggler": (dict, None), "step_time": (dict, None), "bound": (str, None),
+    "step_time_ranks": (dict, None), "summary_file": str,
 }
 
 
@@ -91,7 +92,27 @@ def check_summary_schema(output: str, trainer: str) -> dict:
     # Every trainer marks the end of its imports, the group and its first step.
     for phase in ("imports", "group", "first_step"):
         assert record["startup"][phase]["slowest"] >= 0, (phase, record["startup"])
+    check_step_time(record)
     return record
+
+
+def check_step_time(record: dict) -> None:
+    """Every trainer splits its steps after the warm-up (at most 5 steps) into shares of the
+    step that add up to the whole, and names the largest of the four that can bound it."""
+    from xscale.steptime import BOUNDS, SHARES
+
+    step_time = record["step_time"]
+    if step_time is None:
+        assert record["steps"] - record["start_step"] <= 5, record
+        return
+    assert step_time["seconds"] > 0, record
+    shares = {name: step_time[name] for name in SHARES}
+    assert abs(sum(share or 0.0 for share in shares.values()) - 1) < 0.01, shares
+    assert record["bound"] == max(BOUNDS, key=lambda name: shares[name] or 0.0), record
+    # Communication is measured wherever DDP trains; alone, a rank has none.
+    assert (shares["communication"] is None) == (
+        record["world_size"] > 1 and record["trainer"] == "imagenet_deepspeed"), record
+    assert record["step_time_ranks"]["rank"] in range(record["world_size"])
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str,

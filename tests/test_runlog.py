@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from xscale import runlog, startup, taglines
+from xscale import runlog, startup, steptime, taglines
 
 # ---------------------------------------------------------------------------------------------
 # summary: the digest that proves replicas are identical
@@ -72,6 +72,9 @@ def common_fields(**changes) -> dict:
         "checkpoint": "/scratch/project/run/ckpt-000060.pt", "checkpoint_stall_s": 0.012,
         "checkpoints_saved": 3, "startup": {}, "straggler": {"rank": 3, "node": "nid002",
                                                               "factor": 1.04},
+        "step_time": {"seconds": 0.02601, "data": 0.01, "compute": 0.8, "communication": 0.15,
+                      "checkpoint": 0.02, "other": 0.02},
+        "bound": "compute", "step_time_ranks": {"rank": 1, "spread": {}},
         "summary_file": None,
     }
     return {**fields, **changes}
@@ -94,7 +97,7 @@ def test_the_summary_goes_whole_into_its_file_and_the_line_names_it(tmp_path, ca
     whole = json.loads(path.read_text())
     assert list(whole) == [*runlog.SUMMARY_FIELDS, "accuracy"]
     assert (whole["loss_first"], whole["loss_last"], whole["startup"]) == (None, 0.5, startup_)
-    assert line == {name: value for name, value in whole.items() if name != "startup"}
+    assert line == {name: value for name, value in whole.items() if name not in runlog.FILE_ONLY}
     assert line["summary_file"] == str(path) and path.is_absolute()
     assert taglines.whole_summary(line) == whole
     assert not list(path.parent.glob(".*"))  # no temporary left behind
@@ -119,6 +122,9 @@ def largest_realistic_summary(tmp_path: Path) -> dict:
         checkpoint_stall_s=12345.678, checkpoints_saved=12345,
         startup=startup.aggregate(ranks),
         straggler={"rank": 23823, "node": "nid007977", "factor": 12.34},
+        **step_time_fields([(rank, steptime.Breakdown(0.123456789, 0.0123456, 0.0987654, None,
+                                                      0.00123456, 0.0109876 + rank / 1e9))
+                            for rank in range(23824)]),
         summary_file=runlog.summary_path(output))
     own = {"accuracy": 0.761235, "val_loss": 0.987654, "val_samples": 50000,
            "epoch": 89, "arch": "efficientnet_v2_l", "image_size": 224, "zero_stage": 3,
@@ -126,19 +132,29 @@ def largest_realistic_summary(tmp_path: Path) -> dict:
     return runlog.summary_record(common, own)
 
 
+def step_time_fields(breakdowns: list[tuple[int, steptime.Breakdown]]) -> dict:
+    """The summary's step-time fields, as write_summary makes them."""
+    step_time = steptime.summarise(breakdowns)
+    return {"step_time": step_time.field(), "bound": step_time.bound,
+            "step_time_ranks": step_time.ranks()}
+
+
 def labelled(line: str, ranks: int) -> str:
     """The line as srun --label prints it: rank 0, as wide as the job's largest rank."""
     return f"{0:>{len(str(ranks - 1))}}: {line}"
 
 
-def test_the_largest_realistic_summary_line_stays_whole_under_srun_label(tmp_path):
+def test_the_largest_realistic_summary_line_stays_whole_under_srun_label_but_its_checkpoint(
+        tmp_path):
     record = largest_realistic_summary(tmp_path)
     text = runlog.line(runlog.SUMMARY_TAG, runlog.line_record(record))
     out = labelled(text, record["world_size"])
     assert len(out.encode()) <= taglines.SRUN_LABEL_CUT, len(out.encode())
     # A user's `grep XSCALE_SUMMARY | cut -d' ' -f3-` (after srun's label) is JSON as it is.
     found = json.loads(out.split("XSCALE_SUMMARY ", 1)[1])
-    assert list(found) == [name for name in record if name not in runlog.FILE_ONLY]
+    # The checkpoint's path is the one field left to the file; the trainer's fields stay.
+    assert list(found) == [name for name in record
+                           if name not in (*runlog.FILE_ONLY, *runlog.LEFT_OUT_FIRST)]
     assert len(json.dumps(record["startup"])) > 500  # what the file keeps for the line
 
 
@@ -148,4 +164,5 @@ def test_a_summary_too_long_for_the_line_leaves_the_trainers_fields_to_the_file(
     fields = runlog.line_record(record)
     assert len(runlog.encode(fields)) <= runlog.LINE_BUDGET
     assert "notes" not in fields and fields["stopped_early"] is True
-    assert set(fields) >= set(runlog.SUMMARY_FIELDS) - set(runlog.FILE_ONLY)
+    assert set(fields) >= (set(runlog.SUMMARY_FIELDS) - set(runlog.FILE_ONLY)
+                           - set(runlog.LEFT_OUT_FIRST))

@@ -15,10 +15,12 @@ import json
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
@@ -85,7 +87,7 @@ class XscaleTrainer(Trainer):
         self.started = runtime.STARTED
         self.resume_from = newest_checkpoint(self.args.output_dir) if resume else None
         self.tally = runtime.RunTally(self.ctx)
-        self.train_call = _TrainCall(self.tally)
+        self.train_call = _TrainCall(self.tally, wrapped=lambda: self.model_wrapped)
         auto = None
         if checkpoint_every == "auto":
             self.args.save_steps = _initial_save_steps(self.args.max_steps, self.resume_from)
@@ -262,45 +264,58 @@ class _TrainCall(TrainerCallback):
     all ranks, and counts tokens over all ranks (include_num_input_tokens_seen): each rank
     books its share so that xscale's sum over ranks is the job's rate. The clock includes the
     evaluations and checkpoints inside training, as the job's time does.
+
+    The step time's data share (xscale.steptime) is the time from the last step's end (or
+    log, evaluation, save) to the next step's beginning: Trainer fetches the step's batches
+    there. `wrapped()` is the model as Trainer trains it (DDP on several ranks), known once
+    training begins.
     """
 
-    def __init__(self, tally: runtime.RunTally) -> None:
-        self.tally = tally
+    def __init__(self, tally: runtime.RunTally, wrapped: Callable[[], nn.Module]) -> None:
+        self.tally, self.wrapped = tally, wrapped
         self.start_step = 0
         self.end_step = 0
         self.losses: list[float] = []
         self.throughput = Throughput(tally.ctx.device, warmup_steps=1)
         self._tokens_seen = 0
         self._before_save = 0.0
+        self._since = 0.0  # the last moment that was not a wait for data
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Called after Trainer restored the checkpoint's state: global_step is where we resume.
         self.start_step = self.end_step = state.global_step
         self._tokens_seen = state.num_input_tokens_seen
         self.throughput.start()
+        self.tally.clock.watch(self.wrapped())
+        self._since = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.tally.clock.waited_for_data(time.perf_counter() - self._since)
 
     def on_step_end(self, args, state, control, **kwargs):
         tokens = state.num_input_tokens_seen - self._tokens_seen
         self._tokens_seen = state.num_input_tokens_seen
         samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
         self.throughput.step(samples, tokens / args.world_size)
+        self.tally.clock.step()
         if self.end_step == self.start_step:  # this call's first step
             self.tally.first_step(state.global_step)
         self.end_step = state.global_step
-        self._before_save = time.perf_counter()
+        self._before_save = self._since = time.perf_counter()
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self._before_save = time.perf_counter()  # an evaluation due at a save is no stall
+        self._before_save = self._since = time.perf_counter()  # neither a stall nor data
 
     def on_save(self, args, state, control, **kwargs):
         # Trainer saves right after the step's end, its log and its evaluation, if due: the
         # time since is how long the checkpoint held training up (every rank saves with it).
         self.tally.saved(state.global_step, time.perf_counter() - self._before_save)
+        self._since = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
-        self._before_save = time.perf_counter()
+        self._before_save = self._since = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.throughput.stop()

@@ -44,21 +44,24 @@ SUMMARY_FIELDS = (
     "samples_per_s", "samples_per_s_per_rank", "tokens_per_s",
     "loss_first", "loss_last", "seconds", "train_seconds",
     "stopped_early", "signal", "checkpoint", "checkpoint_stall_s", "checkpoints_saved",
-    "startup", "straggler", "summary_file",
+    "startup", "straggler", "step_time", "bound", "step_time_ranks", "summary_file",
 )
 # The whole summary, written by rank 0 into the run's output directory before the line.
 SUMMARY_FILE = "xscale-summary.json"
 # Only in the file: each phase's median, slowest rank and its node, six times over, is 500 to
-# 700 bytes on a large job; the line would not fit with it.
-FILE_ONLY = ("startup",)
+# 700 bytes on a large job, and the step time's rank and each share's lowest and highest rank
+# 400; the line would not fit with them.
+FILE_ONLY = ("startup", "step_time_ranks")
 # srun --label cuts a line after 1024 bytes (xscale.taglines.SRUN_LABEL_CUT) and prefixes it with
 # the task's number, as wide as the job's largest ("123456: "). The line's JSON stays within
 # this many bytes, so that even with its tag and that label it keeps 80 bytes to spare.
 LINE_BUDGET = 920
 # Where a line would still be longer (output paths of unusual length, a trainer with many fields
-# of its own), fields are left out of it, the file keeping them: the trainer's own from the
-# last, then these.
-LEFT_OUT_NEXT = ("checkpoint", "straggler", "summary_file")
+# of its own), fields are left out of it, the file keeping them: the checkpoint's path first (the
+# longest field, which only a resumed run reads, from the file), then the trainer's own from the
+# last (an accuracy is what people grep the line for), then these.
+LEFT_OUT_FIRST = ("checkpoint",)
+LEFT_OUT_NEXT = ("straggler", "summary_file")
 
 
 # ---- what a person watches -------------------------------------------------------------------
@@ -207,7 +210,7 @@ def line_record(record: Mapping[str, Any]) -> dict[str, Any]:
     """The summary line's fields: the record without FILE_ONLY, within LINE_BUDGET bytes."""
     fields = {name: value for name, value in record.items() if name not in FILE_ONLY}
     own = [name for name in fields if name not in SUMMARY_FIELDS]
-    for name in (*reversed(own), *LEFT_OUT_NEXT):
+    for name in (*LEFT_OUT_FIRST, *reversed(own), *LEFT_OUT_NEXT):
         if len(encode(fields).encode()) <= LINE_BUDGET:
             break
         fields.pop(name, None)

@@ -54,6 +54,7 @@ from xscale import (
     runlog,
     settings,
     startup,
+    steptime,
     stragglers,
 )
 from xscale.dist import DistContext, init_distributed
@@ -167,10 +168,13 @@ class RunTally:
     through xscale.hf): its first step (the end of the start-up), its log intervals, the time
     each checkpoint held training up, and its end; rank 0 notes each as progress for the step
     supervisor's goodput ledger (xscale.progress). With `checkpoint_every` auto it also times
-    the steps for Young's interval (auto_interval)."""
+    the steps for Young's interval (auto_interval). Its `clock` splits the steps after
+    `warmup_steps` into data, compute, communication and checkpoints (xscale.steptime): the
+    loop books its batch waits there and calls step() after each optimizer step."""
 
-    def __init__(self, ctx: DistContext) -> None:
+    def __init__(self, ctx: DistContext, warmup_steps: int = 1) -> None:
         self.ctx = ctx
+        self.clock = steptime.StepClock(warmup_steps, ctx.world_size)
         self.node_mtbf_h = checkpoint.node_mtbf_hours()  # a bad setting stops the run first
         self.progress = progress.Progress(ctx.is_main)
         self.stall_s, self.saves, self.last_stall_s = 0.0, 0, 0.0
@@ -193,6 +197,7 @@ class RunTally:
     def waited(self, step: int, stall_s: float) -> None:
         """Training waited `stall_s` for a checkpoint (a save, or a background write)."""
         self.stall_s += stall_s
+        self.clock.waited_for_checkpoint(stall_s)
         self.progress.note(contract.CHECKPOINT, step, stall_s=stall_s)
 
     def end(self, step: int, stopped: bool) -> None:
@@ -281,7 +286,10 @@ class Loop:
         self.checkpoint_every = 0 if self.auto_every else int(checkpoint_every)
         checkpoint.checkpoint_mode()  # a bad setting stops the run before its first step
         checkpoint.checkpoint_writers()
-        self.tally = RunTally(ctx)
+        if warmup_steps is None:
+            warmup_steps = min(5, max(1, (self.end_step or 10) // 10))
+        self.tally = RunTally(ctx, warmup_steps)
+        self.tally.clock.watch(model)
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         self.save_fn, resumed = save, resumed_step
@@ -295,8 +303,6 @@ class Loop:
         self.stopped = False
         self._micro = 0  # micro-batches of the optimizer step under way
         self._voted_at: int | None = None
-        if warmup_steps is None:
-            warmup_steps = min(5, max(1, (self.end_step or 10) // 10))
         self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
         tensorboard_dir = tensorboard_dir or (self.output_dir and self.output_dir / "tb")
         self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=self.start_step,
@@ -340,7 +346,9 @@ class Loop:
             except StopIteration:
                 return
             # The wait for a batch is this rank's own work (a slow disk makes a straggler).
-            self.stragglers.clock.add_wait(time.perf_counter() - waited)
+            waited = time.perf_counter() - waited
+            self.stragglers.clock.add_wait(waited)
+            self.tally.clock.waited_for_data(waited)
             self.window.step(step_index)
             self.epoch = epoch
             yield epoch, batch
@@ -369,6 +377,7 @@ class Loop:
         self._micro = 0
         self.step += 1
         self.stragglers.step()
+        self.tally.clock.step()
         self.meter.step(samples * self.accumulation, tokens)
         if self.step == self.start_step + 1:
             self.tally.first_step(self.step)
@@ -477,12 +486,16 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
     node, phases = runlog.node_name(), startup.rank_phases()
     runlog.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node, steps=steps,
                        param_digest=runlog.param_digest(model), startup=phases)
-    # Once per run, at its end: rank 0 needs every rank's phases for the slowest one's node.
-    every_rank = gather_to_rank0((ctx.rank, node, phases))
+    # Once per run, at its end: rank 0 needs every rank's phases for the slowest one's node,
+    # and every rank's step time for the verdict and the spread.
+    every_rank = gather_to_rank0((ctx.rank, node, phases, tally.clock.breakdown()))
     if not ctx.is_main:
         return
-    started_up = startup.aggregate(startup.RankPhases(*record) for record in every_rank)
+    started_up = startup.aggregate(startup.RankPhases(*record[:3]) for record in every_rank)
     print_startup(started_up, len(every_rank))
+    step_time = steptime.summarise([(record[0], record[3]) for record in every_rank])
+    if step_time is not None:
+        print(step_time.verdict(), flush=True)
     common = {
         "trainer": trainer, "world_size": ctx.world_size, "nodes": ctx.nnodes,
         "device": ctx.device.type, "backend": ctx.backend,
@@ -502,6 +515,9 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "checkpoints_saved": tally.saves,
         "startup": started_up,
         "straggler": None if stragglers is None else stragglers.summary(),
+        "step_time": None if step_time is None else step_time.field(),
+        "bound": None if step_time is None else step_time.bound,
+        "step_time_ranks": None if step_time is None else step_time.ranks(),
         "summary_file": runlog.summary_path(output_dir),
     }
     own = {name: significant(value) if isinstance(value, float) else value
