@@ -5,12 +5,16 @@ here; the bed's real faults (a throttled link) in the test at the end."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 from xscale import steptime
 
-from tests.conftest import REPO
+from tests.conftest import REPO, tool_env
+from tests.fixtures.imagefolder import write_imagefolder
+from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import check_step_time, results_of, run_two_ranks, tagged_records
+from tests.test_jobs import ENDED, WAIT_S
 
 PROGRAM = (REPO / "tests" / "programs" / "two_ranks_steptime.py").read_text()
 
@@ -89,3 +93,67 @@ def test_two_ddp_ranks_measure_every_part_and_slow_reads_are_data_bound(tmp_path
     assert "xscale: step time " in rank0_out and f": {summary['bound']}-bound; " in rank0_out
     if bound:
         assert summary["bound"] == bound, summary["step_time"]
+
+
+# --- the three verdicts on the test bed, from real faults -------------------------------------
+
+MNIST_JOB = REPO / "jobs" / "local" / "mnist.sbatch"
+LINK_RATE = "20mbit"  # a mnist step's gradients (1.7 MB) then take 0.1 s, its compute 0.02 s
+READ_RATE = "32k"  # a batch of 8 images of 4.5 kB then takes 1.1 s, its compute 0.2-0.4 s
+
+
+def test_a_healthy_run_is_compute_bound_a_throttled_link_communication_bound_slow_reads_data_bound(
+        cluster, tmp_path):
+    """Three jobs at once, each on two nodes with one rank per node:
+    - mnist on nid001 and nid002, healthy;
+    - mnist on nid003 and nid004, with nid004's link throttled to LINK_RATE (fault.sh
+      throttle-link): its all-reduce waits for the link;
+    - the ImageNet-style trainer on nid001 and nid002 too (the other core of each), its data
+      set read at READ_RATE on nid002 (fault.sh slow-reads): rank 1 waits for its batches and
+      rank 0 for rank 1 in the all-reduce. The verdict comes from the rank that waited least in
+      communication, rank 1: data-bound, while its peer would have said communication."""
+    mnist, images = write_mnist(tmp_path / "mnist"), write_imagefolder(tmp_path / "images")
+    outputs = {name: tmp_path / name for name in ("compute", "communication", "data")}
+    for output in outputs.values():
+        output.mkdir()
+    cluster.fault("throttle-link", "nid004", LINK_RATE)
+    cluster.fault("slow-reads", "nid002", str(images), READ_RATE)
+    jobs, data_run = [], None
+    try:
+        for name, nodes in (("compute", "nid[001-002]"), ("communication", "nid[003-004]")):
+            jobs.append(cluster.submit(MNIST_JOB, output=outputs[name] / "job.out", sbatch_options=(
+                f"--chdir={REPO}", f"--nodelist={nodes}", "--nodes=2", "--ntasks-per-node=1"),
+                env={"DATA": str(mnist), "OUTPUT_DIR": str(outputs[name]), "MAX_STEPS": "40",
+                     "EPOCHS": "100000"}))
+        # As tests/test_trainers_cv.py runs it: srun, the container, run.sh, one worker.
+        data_run = subprocess.Popen(
+            ["srun", "--nodelist=nid[001-002]", "-N2", "-n2", "--cpu-bind=none", "--label",
+             "singularity", "exec", "xscale-test.sif", "/runscripts/run.sh", "python",
+             "python/imagenet.py", "-a", "resnet18", "--image-size", "32", "-b", "8", "-j", "1",
+             "--epochs", "1000", "--max-steps", "10", "--output-dir", str(outputs["data"]),
+             str(images)], cwd=REPO, env=tool_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        data_text, _ = data_run.communicate(timeout=WAIT_S)
+        states = [cluster.wait_state(job, ENDED, WAIT_S) for job in jobs]
+    finally:
+        subprocess.run(["scancel", *jobs], timeout=30, check=False)
+        if data_run is not None and data_run.poll() is None:
+            data_run.kill()
+        cluster.fault("heal", "nid002", "nid004")
+    assert data_run.returncode == 0, data_text[-3000:]
+    texts = {"data": data_text}
+    for name, state in zip(("compute", "communication"), states, strict=True):
+        texts[name] = (outputs[name] / "job.out").read_text()
+        assert state == "COMPLETED", texts[name][-3000:]
+    shares = {}
+    for name, text in texts.items():
+        record = json.loads((outputs[name] / "xscale-summary.json").read_text())
+        check_step_time(record)
+        assert record["bound"] == name, (name, record["step_time"])
+        assert f": {name}-bound; {steptime.ADVICE[name]} (rank " in text, text[-3000:]
+        shares[name] = record["step_time"]
+    data_ranks = json.loads((outputs["data"] / "xscale-summary.json").read_text())
+    assert data_ranks["step_time_ranks"]["rank"] == 1, data_ranks  # nid002's, not its peer's
+    for fault in ("communication", "data"):  # the fault's part grew from the healthy run's
+        assert shares[fault][fault] > shares["compute"][fault], shares
+    print("step-time shares:", json.dumps(shares))

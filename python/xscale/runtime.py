@@ -174,7 +174,7 @@ class RunTally:
 
     def __init__(self, ctx: DistContext, warmup_steps: int = 1) -> None:
         self.ctx = ctx
-        self.clock = steptime.StepClock(warmup_steps, ctx.world_size)
+        self.clock = steptime.StepClock(warmup_steps, ctx.world_size, ctx.device)
         self.node_mtbf_h = checkpoint.node_mtbf_hours()  # a bad setting stops the run first
         self.progress = progress.Progress(ctx.is_main)
         self.stall_s, self.saves, self.last_stall_s = 0.0, 0, 0.0

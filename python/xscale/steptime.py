@@ -3,17 +3,20 @@
 Every rank splits its steps after the warm-up into what it waited for and what it did, per step:
 
 - data: waiting for the next batch (the loader, the file system under it);
-- compute: DDP's forward and backward compute times;
+- compute: DDP's forward and backward compute times, less the forward's buffer broadcast;
 - communication: DDP's gradient communication that the backward did not hide (its
-  communication time less its overlap with the backward compute), which includes waiting for
-  slower ranks;
+  communication time less its overlap with the backward compute), and the broadcast of the
+  module's buffers (BatchNorm statistics) from rank 0 that DDP does as each forward starts;
+  both include waiting for slower ranks;
 - checkpoint: the time saves held training up;
 - other: the rest of the step (the optimizer step, the loss log, Python).
 
 Nothing is timed twice: the loop already times its batch waits (the straggler watch) and its
 checkpoint stalls (the goodput ledger), and DDP times its forward, backward and communication
 itself, on the device, for a sample of its iterations (one in SAMPLE_EVERY here, one in 100 by
-default); the clock reads DDP's latest sample every SAMPLE_EVERY steps. A model without DDP has
+default); the clock reads DDP's latest sample every SAMPLE_EVERY steps. DDP counts its buffer
+broadcast as forward compute, so the clock times it apart (BufferSync): a rank that waits there
+for a slow peer would otherwise look compute-bound. A model without DDP has
 no communication times: with one rank there is none; with several (a DeepSpeed engine) it is
 left inside compute, and the summary says communication null.
 
@@ -31,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 # DDP times one iteration in this many (its own default is 100); the clock reads it as often.
@@ -48,6 +52,7 @@ ADVICE = {
     "checkpoint": "save less often (--checkpoint-every auto) or in the background "
                   "(XSCALE_CHECKPOINT_MODE=async)",
 }
+CPU = torch.device("cpu")
 LABELS = {"data": "data", "compute": "compute", "communication": "communication",
           "checkpoint": "checkpoints", "other": "other"}
 
@@ -75,16 +80,66 @@ class Breakdown:
         return max(BOUNDS, key=lambda name: getattr(self, name) or 0.0)
 
 
+class BufferSync:
+    """The time from DDP's forward start to its module's (the buffer broadcast), summed over
+    training forwards: on the host clock on a CPU, with device events elsewhere (the broadcast
+    runs on the device's stream; the events are read once they are done, never waited for but
+    at the end)."""
+
+    def __init__(self, ddp: nn.Module, device: torch.device) -> None:
+        self.on_device = device.type != "cpu"
+        self.device = device
+        self.seconds = 0.0
+        self.counting = False
+        self._started: float | torch.Event | None = None
+        self._spans: list[tuple[torch.Event, torch.Event]] = []
+        ddp.register_forward_pre_hook(self._ddp_starts)
+        ddp.module.register_forward_pre_hook(self._module_starts)
+
+    def _mark(self) -> float | torch.Event:
+        if not self.on_device:
+            return time.perf_counter()
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+    def _ddp_starts(self, module: nn.Module, args: Any) -> None:
+        if self.counting and module.training:
+            self._started = self._mark()
+
+    def _module_starts(self, module: nn.Module, args: Any) -> None:
+        if self._started is None:
+            return
+        ended = self._mark()
+        if self.on_device:
+            self._spans.append((self._started, ended))
+        else:
+            self.seconds += ended - self._started
+        self._started = None
+
+    def total(self, wait: bool = False) -> float:
+        """The seconds so far: the spans done by now, or every one with `wait`."""
+        if wait and self._spans:
+            self._spans[-1][1].synchronize()
+        while self._spans and self._spans[0][1].query():
+            started, ended = self._spans.pop(0)
+            self.seconds += started.elapsed_time(ended) / 1000
+        return self.seconds
+
+
 class StepClock:
     """One rank's clock over its steps: call step() after each optimizer step, and book the
     waits for data and checkpoints as they happen. The steps up to `warmup_steps` are left
     out (kernel search, workers starting). `now`: the clock read (a test's own)."""
 
     def __init__(self, warmup_steps: int = 1, world_size: int = 1,
+                 device: torch.device = CPU,
                  now: Callable[[], float] = time.perf_counter) -> None:
         self.warmup_steps, self.world_size, self.now = max(warmup_steps, 1), world_size, now
+        self.device = device
         self.steps = 0
         self._ddp: Any = None
+        self._buffer_sync: BufferSync | None = None
         self._from_iteration: int | None = None
         self._samples: list[tuple[float, float]] = []  # (compute, exposed communication)
         self._data = self._checkpoint = 0.0
@@ -97,6 +152,7 @@ class StepClock:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             self._ddp = model
             model._set_ddp_runtime_logging_sample_rate(SAMPLE_EVERY)
+            self._buffer_sync = BufferSync(model, self.device)
 
     def waited_for_data(self, seconds: float) -> None:
         self._data += seconds
@@ -110,11 +166,14 @@ class StepClock:
         if self.steps == self.warmup_steps:
             self._started, self._data, self._checkpoint = now, 0.0, 0.0
             self._from_iteration = self._ddp_iteration()
+            if self._buffer_sync is not None:
+                self._buffer_sync.counting = True
         if self._started is None:
             return
         self._last = (now, self._data, self._checkpoint)
         if self._ddp is not None and self.steps % SAMPLE_EVERY == 0:
             self._sample()
+            self._buffer_sync.total()  # read the events done, so that few are kept
 
     def _ddp_iteration(self) -> int | None:
         return None if self._ddp is None else self._ddp._get_ddp_logging_data().get("iteration")
@@ -143,9 +202,11 @@ class StepClock:
         data, stalled = data / steps, stalled / steps
         rest = max(seconds - data - stalled, 0.0)
         if self._samples:
-            compute = min(statistics.mean(sample[0] for sample in self._samples), rest)
-            communication = min(statistics.mean(sample[1] for sample in self._samples),
-                                rest - compute)
+            broadcast = self._buffer_sync.total(wait=True) / steps
+            compute = statistics.mean(sample[0] for sample in self._samples) - broadcast
+            compute = min(max(compute, 0.0), rest)
+            communication = statistics.mean(sample[1] for sample in self._samples) + broadcast
+            communication = min(communication, rest - compute)
             other = rest - compute - communication
         else:
             compute, other = rest, 0.0

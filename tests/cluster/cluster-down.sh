@@ -46,6 +46,7 @@ remove_node() {
   local node=$1 dir
   dir=$(xsc_node_dir "$node")
   stop_node_processes "$node"
+  xsc_end_slow_reads "$node"
   [[ -e /run/netns/$node ]] && ip netns del "$node"
   # Deleting one end of a veth pair deletes both; the namespace's end went with it already.
   ip link del "$(xsc_host_link "$node")" 2>/dev/null || true

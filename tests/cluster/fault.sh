@@ -26,10 +26,14 @@ Usage: tests/cluster/fault.sh VERB NODE [ARGS]
   start-slurmd NODE    start NODE's slurmd again (after kill-slurmd or crash)
   slow NODE [PERCENT]  stop NODE's processes (its slurmd spared) PERCENT% of every 2 ms, default
                        60, until heal: a node that slows every step down and never fails
+  slow-reads NODE DIR RATE
+                       on NODE only, reads of the files under DIR come at RATE bytes per second
+                       (e.g. 256k, 2M), page cache or not: a slow file system client, until heal
   drain NODE REASON    drain NODE with REASON, as an administrator would
   heal [NODE...]       undo all of the above on the nodes (default: every node), resume them and
                        wait until they are idle
-  status               one line per node: hsn0, /tmp use, slurmd, Slurm state, hsn0's rate
+  status               one line per node: hsn0, /tmp use, slurmd, Slurm state, hsn0's rate,
+                       the directories whose reads are slowed
 
 Nodes: nid001 nid002 nid003 nid004. Needs root and a running cluster (cluster-up.sh).
 EOF
@@ -66,6 +70,32 @@ throttle_link() {
 
 unthrottle_link() {
   tc -n "$1" qdisc del dev hsn0 root 2>/dev/null || true
+}
+
+# slow_reads NODE DIR RATE: tests/cluster/slow_reads.py mounted over DIR in the mount namespace of
+# NODE's slurmd, which its job steps (and the container shim's binds) inherit; the other nodes
+# and the host keep reading DIR directly. Returns once the mount is there.
+slow_reads() {
+  local node=$1 dir=${2:-} rate=${3:-} slurmd bytes pid
+  [[ -d $dir ]] || xsc_die "slow-reads: DIR must be a directory, not '$dir'"
+  [[ $rate =~ ^([1-9][0-9]*)([kM]?)$ ]] ||
+    xsc_die "slow-reads: RATE must be bytes per second, a number with k or M or neither, not '$rate'"
+  case ${BASH_REMATCH[2]} in
+    k) bytes=$((BASH_REMATCH[1] * 1024)) ;;
+    M) bytes=$((BASH_REMATCH[1] * 1024 * 1024)) ;;
+    *) bytes=${BASH_REMATCH[1]} ;;
+  esac
+  xsc_alive "$(xsc_slurmd_pidfile "$node")" || xsc_die "$node's slurmd is not running"
+  read -r slurmd <"$(xsc_slurmd_pidfile "$node")"
+  dir=$(realpath "$dir")
+  nsenter --target "$slurmd" --mount -- setsid "$XSC_CHECKOUT/.venv/bin/python" \
+    "$XSC_DIR/slow_reads.py" "$dir" "$bytes" </dev/null >/dev/null 2>&1 &
+  pid=$!
+  printf '%s %s\n' "$pid" "$dir" >>"$(xsc_slow_reads_file "$node")"
+  until nsenter --target "$slurmd" --mount -- mountpoint -q "$dir"; do
+    kill -0 "$pid" 2>/dev/null || xsc_die "slow-reads: the FUSE mount on $node failed (libfuse2 and fusepy installed? make setup)"
+    sleep 0.1
+  done
 }
 
 kill_slurmd() {
@@ -112,6 +142,7 @@ heal() {
   for node in "$@"; do
     need_node "$node"
     unslow "$node"
+    xsc_end_slow_reads "$node"
     unthrottle_link "$node"
     ip -n "$node" link set hsn0 up
     free_tmp "$node"
@@ -122,7 +153,7 @@ heal() {
 }
 
 status() {
-  local node link rate tmp_use daemon state
+  local node link rate tmp_use daemon state slowed
   for node in "${XSC_NODES[@]}"; do
     link=$(ip -n "$node" -br link show hsn0 2>/dev/null | awk '{print $2}') || link=absent
     rate=$(tc -n "$node" qdisc show dev hsn0 2>/dev/null |
@@ -130,8 +161,10 @@ status() {
     tmp_use=$(df --output=pcent "$(xsc_node_dir "$node")/tmp" 2>/dev/null | tail -n 1) || tmp_use='?'
     xsc_alive "$(xsc_slurmd_pidfile "$node")" && daemon=running || daemon=dead
     state=$(sinfo -h -n "$node" -o '%t' 2>/dev/null | head -n 1) || state='?'
-    printf '%s hsn0=%s tmp=%s slurmd=%s state=%s rate=%s\n' "$node" "${link:-absent}" \
-      "${tmp_use// /}" "$daemon" "${state:-?}" "${rate:-unlimited}"
+    slowed=$(awk '{ printf "%s%s", sep, $2; sep = "," }' "$(xsc_slow_reads_file "$node")" 2>/dev/null) || slowed=''
+    printf '%s hsn0=%s tmp=%s slurmd=%s state=%s rate=%s slow-reads=%s\n' "$node" \
+      "${link:-absent}" "${tmp_use// /}" "$daemon" "${state:-?}" "${rate:-unlimited}" \
+      "${slowed:-none}"
   done
 }
 
@@ -153,6 +186,7 @@ main() {
     crash) need_node "${1:-}"; crash "$1" ;;
     start-slurmd) need_node "${1:-}"; xsc_start_slurmd "$1" ;;
     slow) need_node "${1:-}"; slow "$1" "${2:-60}" ;;
+    slow-reads) need_node "${1:-}"; slow_reads "$1" "${2:-}" "${3:-}" ;;
     drain)
       need_node "${1:-}"
       [[ -n ${2:-} ]] || xsc_die "drain needs a reason (fault.sh drain NODE REASON)"

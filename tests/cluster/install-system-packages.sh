@@ -6,7 +6,8 @@ set -euo pipefail
 
 # iproute2: the virtual nodes' network namespaces, veth pairs and bridge (tests/cluster/).
 # strace: tests/bench/shared_opens.sh counts the files each rank opens on shared storage.
-readonly PACKAGES=(slurm-wlm munge bubblewrap shellcheck bats iproute2 strace)
+# libfuse2: fault.sh slow-reads mounts a slow view of a data directory on one node (fusepy).
+readonly PACKAGES=(slurm-wlm munge bubblewrap shellcheck bats iproute2 strace libfuse2)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

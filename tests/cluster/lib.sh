@@ -49,6 +49,23 @@ xsc_node_dir() { printf '%s/nodes/%s\n' "$XSC_STATE" "$1"; }
 # The pid file of fault.sh's throttler of a slowed node (fault.sh slow).
 xsc_slow_pidfile() { printf '%s/slow.pid\n' "$(xsc_node_dir "$1")"; }
 
+# fault.sh slow-reads' mounts on a node: one "PID DIR" line each (the FUSE process, the directory
+# it covers in the node's mount namespace).
+xsc_slow_reads_file() { printf '%s/slow-reads\n' "$(xsc_node_dir "$1")"; }
+
+# Undo fault.sh slow-reads on NODE: unmount each directory inside its FUSE process's mount
+# namespace (the node's, or what is left of it after a crash), which ends that process.
+xsc_end_slow_reads() {
+  local file pid dir
+  file=$(xsc_slow_reads_file "$1")
+  [[ -s $file ]] || return 0
+  while read -r pid dir; do
+    kill -0 "$pid" 2>/dev/null || continue
+    nsenter --target "$pid" --mount -- umount "$dir" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  done <"$file"
+  rm -f "$file"
+}
+
 # The host's end of the node's veth pair (at most 15 characters: a kernel limit).
 xsc_host_link() { printf 'xs-%s\n' "$1"; }
 
