@@ -256,13 +256,14 @@ def test_trainers_checkpoint_stall_is_the_save_alone_not_an_evaluation_due_at_it
     """Trainer logs and evaluates before it saves at the same step (the last step always
     evaluates): the stall is timed from the last of them, as the summary's
     checkpoint_stall_s promises."""
+    from torch import nn
     from transformers import TrainerState, TrainingArguments
     from xscale import hf
 
     now = [0.0]
     monkeypatch.setattr(hf.time, "perf_counter", lambda: now[0])
     tally = cpu_tally()
-    call = hf._TrainCall(tally)
+    call = hf._TrainCall(tally, wrapped=lambda: nn.Linear(1, 1))
     args = TrainingArguments(output_dir="unused", per_device_train_batch_size=1, use_cpu=True,
                              report_to=[])
     state = TrainerState(global_step=1, max_steps=10)

@@ -112,14 +112,35 @@ def seconds_to_send_a_mebibyte() -> float:
         receiver.wait(timeout=30)
 
 
-def test_fault_helpers_break_one_node_and_heal_restores_it(cluster):
+READ_PROBE = ("import sys, time; started = time.perf_counter(); "
+              "open(sys.argv[1], 'rb').read(); print(time.perf_counter() - started)")
+
+
+def seconds_to_read(cluster, node: str, path: Path) -> float:
+    """The seconds a process on NODE takes to read PATH whole."""
+    proc = cluster.srun("-w", node, "-N1", "-n1", "python3", "-c", READ_PROBE, str(path))
+    assert proc.returncode == 0, proc.stderr
+    return float(proc.stdout)
+
+
+def test_fault_helpers_break_one_node_and_heal_restores_it(cluster, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "blob").write_bytes(bytes(64 * 1024))
     try:
+        # Slow reads of a data directory on nid004 only: 64 KiB at 64 KiB/s take a second there,
+        # every time (no page cache), and no time on nid003.
+        cluster.fault("slow-reads", "nid004", str(data), "64k")
+        slow_reads_s = [seconds_to_read(cluster, "nid004", data / "blob") for _ in range(2)]
+        assert min(slow_reads_s) >= 0.95, slow_reads_s
+        assert seconds_to_read(cluster, "nid003", data / "blob") < min(slow_reads_s) / 10
+        assert re.search(rf"^nid004 .* slow-reads={data}$", cluster.fault("status"), re.M)
         # A throttled link: a MiB at 8 Mbit/s takes at least a second (less the 4 KiB burst),
         # however fast the machine; unthrottled it is memory speed.
         cluster.fault("throttle-link", "nid004", "8mbit")
         throttled_s = seconds_to_send_a_mebibyte()
         assert throttled_s >= (1 << 20) * 8 / 8e6 * 0.95, throttled_s
-        assert re.search(r"^nid004 hsn0=UP .* rate=8Mbit$", cluster.fault("status"), re.M)
+        assert re.search(r"^nid004 hsn0=UP .* rate=8Mbit ", cluster.fault("status"), re.M)
         # A full /tmp on nid003 only.
         cluster.fault("fill-tmp", "nid003")
         write = ["dd", "if=/dev/zero", "of=/tmp/xscale-fault-probe", "bs=64k", "count=1"]
@@ -145,9 +166,12 @@ def test_fault_helpers_break_one_node_and_heal_restores_it(cluster):
         == {"nid003": "idle", "nid004": "idle"}
     assert not list(cluster.node_tmp("nid003").glob(".xscale-fault-fill*"))
     (cluster.node_tmp("nid004") / "xscale-fault-probe").unlink()
-    assert re.search(r"^nid004 .* rate=unlimited$", cluster.fault("status"), re.M)
+    assert re.search(r"^nid004 .* rate=unlimited slow-reads=none$", cluster.fault("status"), re.M)
+    healed_read_s = seconds_to_read(cluster, "nid004", data / "blob")
+    assert healed_read_s < min(slow_reads_s) / 10
     print(f"a MiB over nid004's hsn0: {throttled_s:.2f} s at 8mbit, "
-          f"{seconds_to_send_a_mebibyte():.3f} s healed")
+          f"{seconds_to_send_a_mebibyte():.3f} s healed; 64 KiB read on nid004: "
+          f"{slow_reads_s} s at 64k, {healed_read_s:.3f} s healed")
 
 
 def made_by_cluster_up() -> dict[str, list[str]]:

@@ -267,7 +267,9 @@ class _TrainCall(TrainerCallback):
 
     The step time's data share (xscale.steptime) is the time from the last step's end (or
     log, evaluation, save) to the next step's beginning: Trainer fetches the step's batches
-    there. `wrapped()` is the model as Trainer trains it (DDP on several ranks), known once
+    there. The stop vote every ten steps (_StopOnSignal, after this callback) falls into it
+    too: one small all-reduce of ranks that the step's own all-reduce has just brought
+    together. `wrapped()` is the model as Trainer trains it (DDP on several ranks), known once
     training begins.
     """
 

@@ -52,10 +52,11 @@ SUMMARY_FILE = "xscale-summary.json"
 # 700 bytes on a large job, and the step time's rank and each share's lowest and highest rank
 # 400; the line would not fit with them.
 FILE_ONLY = ("startup", "step_time_ranks")
-# srun --label cuts a line after 1024 bytes (xscale.taglines.SRUN_LABEL_CUT) and prefixes it with
-# the task's number, as wide as the job's largest ("123456: "). The line's JSON stays within
-# this many bytes, so that even with its tag and that label it keeps 80 bytes to spare.
-LINE_BUDGET = 920
+# srun --label cuts a line's text after 1024 bytes (xscale.taglines.SRUN_LABEL_CUT) and prefixes
+# it with the task's number, as wide as the job's largest ("123456: "). The line's JSON stays
+# within this many bytes, so that even counting its tag and that label it keeps 11 bytes to
+# spare (19 of the text srun counts).
+LINE_BUDGET = 990
 # Where a line would still be longer (output paths of unusual length, a trainer with many fields
 # of its own), fields are left out of it, the file keeping them: the checkpoint's path first (the
 # longest field, which only a resumed run reads, from the file), then the trainer's own from the

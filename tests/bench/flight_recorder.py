@@ -10,27 +10,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
+
+from pair import rank0_output, timed_ddp_steps
 
 COLLECTIVES = 2000
 STEPS = 200
 WARMUP = 20
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def rank_main(rank: int, port: int) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -42,19 +35,7 @@ def rank_main(rank: int, port: int) -> None:
         start = time.perf_counter()
         dist.all_reduce(tensor)
         times.append(time.perf_counter() - start)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(
-        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(9216, 128), nn.ReLU(), nn.Linear(128, 10)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batch, labels = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
-    steps = []
-    for index in range(WARMUP + STEPS):
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(batch), labels).backward()
-        optimizer.step()
-        if index >= WARMUP:
-            steps.append(time.perf_counter() - start)
+    steps = timed_ddp_steps(STEPS, WARMUP)
     if rank == 0:
         print(f"{statistics.median(times) * 1e6:.1f} {statistics.median(steps) * 1e3:.2f}",
               flush=True)
@@ -64,13 +45,7 @@ def rank_main(rank: int, port: int) -> None:
 
 
 def one_round(size: int) -> tuple[float, float]:
-    port = free_port()
-    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": str(size), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--port", str(port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True) for rank in range(2)]
-    out = procs[0].communicate(timeout=600)[0]
-    procs[1].wait(timeout=600)
+    out = rank0_output(__file__, TORCH_FR_BUFFER_SIZE=str(size))
     collective_us, step_ms = (float(word) for word in out.split())
     return collective_us, step_ms
 

@@ -27,3 +27,5 @@ printf '\n== %s\n' flight_recorder.py  # torch's flight recorder on and off, per
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/flight_recorder.py"
 printf '\n== %s\n' checkpoint.py  # what a save holds training up, sync vs async
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/checkpoint.py"
+printf '\n== %s\n' steptime.py  # the step-time breakdown's cost per DDP step
+"$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/steptime.py"
