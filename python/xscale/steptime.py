@@ -9,16 +9,17 @@ Every rank splits its steps after the warm-up into what it waited for and what i
   module's buffers (BatchNorm statistics) from rank 0 that DDP does as each forward starts;
   both include waiting for slower ranks;
 - checkpoint: the time saves held training up;
-- other: the rest of the step (the optimizer step, the loss log, Python).
+- other: the rest of the step (the optimizer step, the loss log, Python, evaluations run
+  between steps).
 
 Nothing is timed twice: the loop already times its batch waits (the straggler watch) and its
 checkpoint stalls (the goodput ledger), and DDP times its forward, backward and communication
 itself, on the device, for a sample of its iterations (one in SAMPLE_EVERY here, one in 100 by
 default); the clock reads DDP's latest sample every SAMPLE_EVERY steps. DDP counts its buffer
 broadcast as forward compute, so the clock times it apart (BufferSync): a rank that waits there
-for a slow peer would otherwise look compute-bound. A model without DDP has
-no communication times: with one rank there is none; with several (a DeepSpeed engine) it is
-left inside compute, and the summary says communication null.
+for a slow peer would otherwise look compute-bound. A model without DDP has no communication
+times: with one rank there is none; with several (a DeepSpeed engine) it is left inside
+compute, and the summary says communication null.
 
 The run is as fast as its slowest part allows, and a rank's exposed communication includes its
 wait for the others; the verdict is therefore read from the rank that waited least in
@@ -148,8 +149,8 @@ class StepClock:
 
     def watch(self, model: nn.Module) -> None:
         """Read DDP's own timing of MODEL, if it is DDP-wrapped; one sample in SAMPLE_EVERY
-        iterations from here on."""
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        iterations from here on (once per model: Trainer's train() may be called again)."""
+        if isinstance(model, nn.parallel.DistributedDataParallel) and model is not self._ddp:
             self._ddp = model
             model._set_ddp_runtime_logging_sample_rate(SAMPLE_EVERY)
             self._buffer_sync = BufferSync(model, self.device)
