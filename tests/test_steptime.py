@@ -145,15 +145,14 @@ def test_a_healthy_run_is_compute_bound_a_throttled_link_communication_bound_slo
     for name, state in zip(("compute", "communication"), states, strict=True):
         texts[name] = (outputs[name] / "job.out").read_text()
         assert state == "COMPLETED", texts[name][-3000:]
-    shares = {}
-    for name, text in texts.items():
-        record = json.loads((outputs[name] / "xscale-summary.json").read_text())
+    records = {name: json.loads((outputs[name] / "xscale-summary.json").read_text())
+               for name in texts}
+    for name, record in records.items():
         check_step_time(record)
         assert record["bound"] == name, (name, record["step_time"])
-        assert f": {name}-bound; {steptime.ADVICE[name]} (rank " in text, text[-3000:]
-        shares[name] = record["step_time"]
-    data_ranks = json.loads((outputs["data"] / "xscale-summary.json").read_text())
-    assert data_ranks["step_time_ranks"]["rank"] == 1, data_ranks  # nid002's, not its peer's
+        assert f": {name}-bound; {steptime.ADVICE[name]} (rank " in texts[name], texts[name][-3000:]
+    assert records["data"]["step_time_ranks"]["rank"] == 1  # nid002's view, not its peer's
+    shares = {name: record["step_time"] for name, record in records.items()}
     for fault in ("communication", "data"):  # the fault's part grew from the healthy run's
         assert shares[fault][fault] > shares["compute"][fault], shares
     print("step-time shares:", json.dumps(shares))
