@@ -123,6 +123,20 @@ def test_the_documented_lines_are_the_whole_difference(kind: str, script: str):
     assert changed_lines(code_lines(script), code_lines(with_xscale(script))) == documented
 
 
+def slowed_and_requeued(cluster, job_id: str, output: Path, records: Path) -> str:
+    """The job's output once it ran through this: nid002 slowed from the first step (RECORDS:
+    the job's xscale-records), the straggler line, Slurm's time-limit warning, the requeue and
+    the resumed run to its end; the job cancelled whatever happens."""
+    try:
+        cluster.slow_once_training("nid002", records)
+        state = requeue_after_the_warning(cluster, job_id, output)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    assert state == "COMPLETED", text[-3000:]
+    return text
+
+
 def requeue_after_the_warning(cluster, job_id: str, output: Path) -> str:
     """Once the straggler line names the slowed node: Slurm's time-limit warning as
     `--signal=B:USR1` sends it, to the batch shell, which hands it to the step; heal nid002
@@ -181,13 +195,7 @@ def test_a_plain_ddp_script_with_xscales_lines_stops_resumes_and_names_a_straggl
     job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "40", "--output-dir", str(out),
                             output=output, sbatch_options=THREE_RANKS,
                             env={"OUTPUT_DIR": str(out), **STRAGGLER_ENV})
-    try:
-        cluster.slow_once_training("nid002", out / "xscale-records")
-        state = requeue_after_the_warning(cluster, job_id, output)
-    finally:
-        subprocess.run(["scancel", job_id], timeout=30, check=False)
-    text = output.read_text()
-    assert state == "COMPLETED", text[-3000:]
+    text = slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
     check_stopped_and_resumed(text, out, steps, "2 on nid002")
 
 
@@ -202,11 +210,5 @@ def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler
         "--pretrained-model", str(model), "--dataset", str(data), "--max-steps", str(steps),
         output=output, sbatch_options=THREE_RANKS,
         env={"OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1", **STRAGGLER_ENV})
-    try:
-        cluster.slow_once_training("nid002", out / "xscale-records")
-        state = requeue_after_the_warning(cluster, job_id, output)
-    finally:
-        subprocess.run(["scancel", job_id], timeout=30, check=False)
-    text = output.read_text()
-    assert state == "COMPLETED", text[-3000:]
+    text = slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
     check_stopped_and_resumed(text, out / "tiny", steps, "2 on nid002")
