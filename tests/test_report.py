@@ -41,7 +41,10 @@ def test_report_reads_a_run_that_resumed_and_took_no_step(tmp_path):
 def job_output(tmp_path: Path, ranks: list[startup.RankPhases]) -> Path:
     summary = {"trainer": "mnist_ddp", "world_size": len(ranks), "nodes": 2, "start_step": 0,
                "steps": 3, "samples_per_s": 10.0, "tokens_per_s": None, "loss_first": 2.3,
-               "loss_last": 2.1, "seconds": 9.5, "stopped_early": False}
+               "loss_last": 2.1, "seconds": 9.5, "stopped_early": False,
+               "step_time": {"seconds": 0.0913, "data": 0.003, "compute": 0.19,
+                             "communication": 0.789, "checkpoint": 0.004, "other": 0.014},
+               "bound": "communication"}
     lines = [f"XSCALE_RANK {json.dumps({'rank': r.rank, 'node': r.node, 'startup': r.phases})}"
              for r in ranks]
     output = tmp_path / "job.out"
@@ -70,6 +73,8 @@ def test_report_prints_the_phase_table_and_draws_one_row_per_node(tmp_path):
     assert proc.returncode == 0, proc.stderr
     imports = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["imports"])
     assert imports.split()[1:4] == ["2.600s", "6.100s", "2@nid002"]
+    assert ("  step time   91 ms: data 0%, compute 19%, communication 79%, checkpoint 0%, "
+            "other 1%: communication-bound (docs/STEPTIME.md)") in proc.stdout.splitlines()
     image = Image.open(tmp_path / "job.out.startup.png")
     assert image.format == "PNG" and image.size[0] == picture.WIDTH
     height = picture.row_height(2)

@@ -49,6 +49,15 @@ def losses(summary: dict) -> str:
     return f"{first:.4f} -> {last:.4f} over {steps} steps (to step {summary['steps']})"
 
 
+def step_time(summary: dict) -> str:
+    """The mean step after the warm-up, each part's share and the bound (docs/STEPTIME.md)."""
+    shares = {name: share for name, share in summary["step_time"].items() if name != "seconds"}
+    parts = ", ".join(f"{name} {'not measured' if share is None else f'{share:.0%}'}"
+                      for name, share in shares.items())
+    return (f"{summary['step_time']['seconds'] * 1000:.0f} ms: {parts}: "
+            f"{summary['bound']}-bound (docs/STEPTIME.md)")
+
+
 def render(lines: list[str]) -> str:
     summary = last_summary(lines)
     nodes = sorted({record["node"] for record in taglines.tagged(lines, "XSCALE_RANK")})
@@ -71,6 +80,8 @@ def render(lines: list[str]) -> str:
     if isinstance(slowest, dict) and summary.get("world_size", 1) > 1:
         rows.append(("slowest", f"rank {slowest['rank']} on {slowest['node']}: "
                                 f"{slowest['factor']:.2f}x the median rank's own work per step"))
+    if summary.get("step_time"):
+        rows.append(("step time", step_time(summary)))
     ledgers = taglines.tagged(lines, "XSCALE_GOODPUT")  # the supervisor's, as the job ended
     if ledgers and ledgers[-1].get("text"):
         rows.append(("goodput", ledgers[-1]["text"]))
