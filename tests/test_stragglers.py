@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from xscale import reductions, stragglers
+from xscale import reductions, spans, stragglers
 from xscale.lifecycle import UserError
 
 
@@ -78,7 +78,7 @@ def test_each_rank_sends_its_seconds_per_step_at_its_own_index():
 
 def test_the_clock_times_training_forwards_and_batch_waits_not_evaluations(monkeypatch):
     ticks = iter([10.0, 10.05])  # the clock reads as the training forward starts and ends
-    monkeypatch.setattr(stragglers.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(spans.time, "perf_counter", lambda: next(ticks))
     model = nn.Sequential(nn.Linear(2, 2))
     clock = stragglers.WorkClock(model, torch.device("cpu"))
     model.train()

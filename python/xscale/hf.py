@@ -280,8 +280,9 @@ class _TrainCall(TrainerCallback):
         self.losses: list[float] = []
         self.throughput = Throughput(tally.ctx.device, warmup_steps=1)
         self._tokens_seen = 0
-        self._before_save = 0.0
-        self._since = 0.0  # the last moment that was not a wait for data
+        # The end of the last step, log, evaluation or save: a save after it is a stall, a
+        # step's beginning after it a wait for data.
+        self._busy_until = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Called after Trainer restored the checkpoint's state: global_step is where we resume.
@@ -289,10 +290,10 @@ class _TrainCall(TrainerCallback):
         self._tokens_seen = state.num_input_tokens_seen
         self.throughput.start()
         self.tally.clock.watch(self.wrapped())
-        self._since = time.perf_counter()
+        self._busy_until = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.tally.clock.waited_for_data(time.perf_counter() - self._since)
+        self.tally.clock.waited_for_data(time.perf_counter() - self._busy_until)
 
     def on_step_end(self, args, state, control, **kwargs):
         tokens = state.num_input_tokens_seen - self._tokens_seen
@@ -303,21 +304,21 @@ class _TrainCall(TrainerCallback):
         if self.end_step == self.start_step:  # this call's first step
             self.tally.first_step(state.global_step)
         self.end_step = state.global_step
-        self._before_save = self._since = time.perf_counter()
+        self._busy_until = time.perf_counter()
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self._before_save = self._since = time.perf_counter()  # neither a stall nor data
+        self._busy_until = time.perf_counter()  # an evaluation due at a save is no stall
 
     def on_save(self, args, state, control, **kwargs):
         # Trainer saves right after the step's end, its log and its evaluation, if due: the
         # time since is how long the checkpoint held training up (every rank saves with it).
-        self.tally.saved(state.global_step, time.perf_counter() - self._before_save)
-        self._since = time.perf_counter()
+        self.tally.saved(state.global_step, time.perf_counter() - self._busy_until)
+        self._busy_until = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
-        self._before_save = self._since = time.perf_counter()
+        self._busy_until = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.throughput.stop()

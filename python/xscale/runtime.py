@@ -491,9 +491,10 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
     every_rank = gather_to_rank0((ctx.rank, node, phases, tally.clock.breakdown()))
     if not ctx.is_main:
         return
-    started_up = startup.aggregate(startup.RankPhases(*record[:3]) for record in every_rank)
+    started_up = startup.aggregate(startup.RankPhases(rank, node, phases)
+                                   for rank, node, phases, _ in every_rank)
     print_startup(started_up, len(every_rank))
-    step_time = steptime.summarise([(record[0], record[3]) for record in every_rank])
+    step_time = steptime.summarise([(rank, breakdown) for rank, _, _, breakdown in every_rank])
     if step_time is not None:
         print(step_time.verdict(), flush=True)
     common = {

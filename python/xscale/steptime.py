@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from xscale.spans import Spans
+
 # DDP times one iteration in this many (its own default is 100); the clock reads it as often.
 SAMPLE_EVERY = 10
 SHARES = ("data", "compute", "communication", "checkpoint", "other")
@@ -83,48 +85,29 @@ class Breakdown:
 
 class BufferSync:
     """The time from DDP's forward start to its module's (the buffer broadcast), summed over
-    training forwards: on the host clock on a CPU, with device events elsewhere (the broadcast
-    runs on the device's stream; the events are read once they are done, never waited for but
-    at the end)."""
+    training forwards once `counting` (xscale.spans: the broadcast runs on the device's stream;
+    its events are read once done, never waited for but at the end)."""
 
     def __init__(self, ddp: nn.Module, device: torch.device) -> None:
-        self.on_device = device.type != "cpu"
-        self.device = device
         self.seconds = 0.0
         self.counting = False
+        self._spans = Spans(device)
         self._started: float | torch.Event | None = None
-        self._spans: list[tuple[torch.Event, torch.Event]] = []
         ddp.register_forward_pre_hook(self._ddp_starts)
         ddp.module.register_forward_pre_hook(self._module_starts)
 
-    def _mark(self) -> float | torch.Event:
-        if not self.on_device:
-            return time.perf_counter()
-        event = torch.Event(device=self.device, enable_timing=True)
-        event.record()
-        return event
-
     def _ddp_starts(self, module: nn.Module, args: Any) -> None:
         if self.counting and module.training:
-            self._started = self._mark()
+            self._started = self._spans.mark()
 
     def _module_starts(self, module: nn.Module, args: Any) -> None:
-        if self._started is None:
-            return
-        ended = self._mark()
-        if self.on_device:
-            self._spans.append((self._started, ended))
-        else:
-            self.seconds += ended - self._started
-        self._started = None
+        if self._started is not None:
+            self._spans.add(self._started, self._spans.mark())
+            self._started = None
 
     def total(self, wait: bool = False) -> float:
         """The seconds so far: the spans done by now, or every one with `wait`."""
-        if wait and self._spans:
-            self._spans[-1][1].synchronize()
-        while self._spans and self._spans[0][1].query():
-            started, ended = self._spans.pop(0)
-            self.seconds += started.elapsed_time(ended) / 1000
+        self.seconds += self._spans.take(wait)
         return self.seconds
 
 

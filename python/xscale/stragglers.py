@@ -27,7 +27,6 @@ slow node of two, nobody is twice the median, and the summary's factor still sho
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ from torch import nn
 from xscale import settings as xscale_settings  # this module's settings() keeps its old name
 from xscale.reductions import gather_to_rank0
 from xscale.runlog import node_name, unwrap
+from xscale.spans import Spans
 
 FACTOR_ENV, INTERVALS_ENV = "XSCALE_STRAGGLER_FACTOR", "XSCALE_STRAGGLER_INTERVALS"
 DEFAULT_FACTOR = xscale_settings.setting(FACTOR_ENV).default
@@ -54,47 +54,30 @@ class WorkClock:
     of the model's inner module (hooks), summed until take()."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.device = device
-        self.on_device = device.type != "cpu"
-        self._host = 0.0
+        self._waits = 0.0
+        self._forwards = Spans(device)
         self._started: float | torch.Event | None = None
-        self._spans: list[tuple[torch.Event, torch.Event]] = []
         inner = unwrap(model)
         inner.register_forward_pre_hook(self._forward_starts)
         inner.register_forward_hook(self._forward_ends)
 
     def add_wait(self, seconds: float) -> None:
-        self._host += seconds
+        self._waits += seconds
 
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
-        if not module.training:  # an evaluation is not a step
-            return
-        if self.on_device:
-            self._started = torch.Event(device=self.device, enable_timing=True)
-            self._started.record()
-        else:
-            self._started = time.perf_counter()
+        if module.training:  # an evaluation is not a step
+            self._started = self._forwards.mark()
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._started is None:
-            return
-        if self.on_device:
-            ended = torch.Event(device=self.device, enable_timing=True)
-            ended.record()
-            self._spans.append((self._started, ended))
-        else:
-            self._host += time.perf_counter() - self._started
-        self._started = None
+        if self._started is not None:
+            self._forwards.add(self._started, self._forwards.mark())
+            self._started = None
 
     def take(self) -> float:
         """The seconds of own work since the last take(). On a device: its forward passes, once
         the last one is done (one wait per log interval, for work long finished by then)."""
-        seconds, self._host = self._host, 0.0
-        if self._spans:
-            self._spans[-1][1].synchronize()
-            seconds += sum(start.elapsed_time(end) for start, end in self._spans) / 1000
-            self._spans.clear()
-        return seconds
+        waits, self._waits = self._waits, 0.0
+        return waits + self._forwards.take()
 
 
 def print_now(text: str) -> None:
