@@ -40,9 +40,13 @@ Everything run.sh does (see run.sh --help), and on the selected ranks CMD runs u
                     nvidia, nvidia-slingshot   nsys profile -t cuda,nvtx -o {dir}/rank{rank}
                     aurora   unitrace --chrome-device-logging --chrome-ccl-logging ...
                     generic  py-spy record -o {dir}/rank{rank}.svg --
+                  PROFILER=torch: no command; the trainer's torch.profiler records the step
+                  window into {dir}/rank{rank} and prints its summary at the end of the run
   PROFILE_DIR     where profiles go (default ./profile-JOBID); {dir}/rank{rank} is created
   PROFILE_STEP_START, PROFILE_STEPS   exported for the trainer: which steps to record (10, 32)
   XSCALE_PROFILED=1   exported on profiled ranks only, so the trainer can mark the window
+                      (XSCALE_TORCH_PROFILER=1 instead with PROFILER=torch)
+  After the run: xscale report --profile PROFILE_DIR  (summaries, and what opens each file)
 EOF_USAGE
 }
 

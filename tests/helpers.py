@@ -99,7 +99,7 @@ def check_summary_schema(output: str, trainer: str) -> dict:
 def check_step_time(record: dict) -> None:
     """Every trainer splits its steps after the warm-up (at most 5 steps) into shares of the
     step that add up to the whole, and names the largest of the four that can bound it."""
-    from xscale.steptime import BOUNDS, SHARES
+    from xscale.bounds import BOUNDS, SHARES
 
     step_time = record["step_time"]
     if step_time is None:

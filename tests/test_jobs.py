@@ -641,6 +641,12 @@ def test_lumi_gpt_neo_profiles_exactly_the_chosen_rank(cluster, tmp_path, gpt_da
     # The generic site's profiler is py-spy: one flame graph, rank 3's, and none of the others.
     assert sorted(p.name for p in profiles.glob("rank*.svg")) == ["rank3.svg"]
     assert (profiles / "rank3.svg").read_text().lstrip().startswith("<?xml")
+    # Rank 3 said where it goes, and the report says what opens it.
+    assert f"xscale: rank 3: the profiler writes its files under {profiles} " in job.output
+    listing = subprocess.run([str(VENV_BIN / "xscale"), "report", "--profile", str(profiles)],
+                             capture_output=True, text=True, timeout=60)
+    assert f"{profiles / 'rank3.svg'}: a py-spy flame graph; open it with a web browser" \
+        in listing.stdout, listing.stdout + listing.stderr
 
 
 def test_lumi_imagenet_runs(cluster, tmp_path, imagenet_data):

@@ -128,10 +128,17 @@ def test_the_pictures_words_stay_apart(words):
     assert max(ink_gaps(" ".join(words))) > within + 1
 
 
-@pytest.mark.parametrize("case", ["no file", "no phases"])
+@pytest.mark.parametrize("case", ["no file", "no phases", "empty profile directory",
+                                  "unreadable trace"])
 def test_report_input_errors_are_one_line_and_status_2(tmp_path, case):
     if case == "no file":
         proc = report(str(tmp_path / "missing.out"))
+    elif case == "empty profile directory":
+        (tmp_path / "rank0").mkdir()
+        proc = report("--profile", str(tmp_path))
+    elif case == "unreadable trace":  # cut off, as by a full disk
+        (tmp_path / "rank0.1.pt.trace.json").write_text('{"traceEvents": [{"ph": "X", ')
+        proc = report("--profile", str(tmp_path))
     else:  # an output from before the phases were recorded: fine as text, no picture
         output = tmp_path / "old.out"
         output.write_text('XSCALE_RANK {"rank": 0, "node": "nid001"}\nXSCALE_SUMMARY '

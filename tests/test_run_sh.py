@@ -818,6 +818,17 @@ def test_profile_exports_the_step_window(tmp_path):
     assert "XSCALE_PROFILED" not in other
 
 
+def test_profiler_torch_wraps_nothing_and_asks_the_trainer_for_its_own_trace(tmp_path):
+    env = profile_env(tmp_path, 14, "14")
+    env["PROFILER"] = "torch"
+    profiled = run(["printenv", "XSCALE_TORCH_PROFILER", "PROFILE_DIR"], env, RUN_PROFILE)
+    assert profiled.returncode == 0, profiled.stderr
+    assert profiled.stdout.split() == ["1", str(tmp_path / "prof")]
+    assert (tmp_path / "prof" / "rank14").is_dir()
+    other = print_env(profile_env(tmp_path, 1, "14") | {"PROFILER": "torch"}, RUN_PROFILE)
+    assert "XSCALE_TORCH_PROFILER" not in other and "XSCALE_PROFILED" not in other
+
+
 def test_missing_profiler_stops_every_rank_before_anything_runs(tmp_path):
     marker = tmp_path / "ran"
     for rank in (0, 5):  # the profiled rank and one that would run the command plainly

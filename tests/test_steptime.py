@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
-from xscale import steptime
+from xscale import bounds, steptime
 
-from tests.conftest import REPO, tool_env
+from tests.conftest import REPO, VENV_BIN, tool_env
 from tests.fixtures.imagefolder import write_imagefolder
 from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import check_step_time, results_of, run_two_ranks, tagged_records
@@ -38,17 +39,17 @@ def test_the_verdict_is_read_from_the_rank_that_waited_least_and_names_the_large
         "min": 0.05, "min_rank": 1, "max": 0.65, "max_rank": 0}
     assert step_time.verdict() == (
         "xscale: step time 200 ms: data 5%, compute 85%, communication 5% (not hidden), "
-        "checkpoints 0%, other 5%: compute-bound; " + steptime.ADVICE["compute"]
+        "checkpoints 0%, other 5%: compute-bound; " + bounds.ADVICE["compute"]
         + " (rank 1; docs/STEPTIME.md)")
 
 
-@pytest.mark.parametrize("bound", steptime.BOUNDS)
+@pytest.mark.parametrize("bound", bounds.BOUNDS)
 def test_each_bound_has_its_advice(bound):
     parts = {"data": 0.1, "compute": 0.1, "communication": 0.1, "checkpoint": 0.1, bound: 0.5}
     step_time = steptime.summarise([(0, breakdown(0.9, **parts))])
     assert step_time.bound == bound
     assert step_time.verdict().endswith(
-        f": {bound}-bound; {steptime.ADVICE[bound]} (rank 0; docs/STEPTIME.md)")
+        f": {bound}-bound; {bounds.ADVICE[bound]} (rank 0; docs/STEPTIME.md)")
 
 
 def test_without_ddp_communication_is_not_measured_and_stays_inside_compute():
@@ -84,7 +85,7 @@ def test_two_ddp_ranks_measure_every_part_and_slow_reads_are_data_bound(tmp_path
     for record in results_of(runs):
         parts = record["breakdown"]
         assert parts["compute"] > 0 and parts["communication"] is not None, parts
-        total = sum(parts[name] for name in steptime.SHARES)
+        total = sum(parts[name] for name in bounds.SHARES)
         assert total == pytest.approx(parts["seconds"]), parts
     summary = json.loads((tmp_path / "out" / "xscale-summary.json").read_text())
     check_step_time(summary)
@@ -111,27 +112,31 @@ def test_a_healthy_run_is_compute_bound_a_throttled_link_communication_bound_slo
     - the ImageNet-style trainer on nid001 and nid002 too (the other core of each), its data
       set read at READ_RATE on nid002 (fault.sh slow-reads): rank 1 waits for its batches and
       rank 0 for rank 1 in the all-reduce. The verdict comes from the rank that waited least in
-      communication, rank 1: data-bound, while its peer would have said communication."""
+      communication, rank 1: data-bound, while its peer would have said communication.
+    The two faulty runs go through run-profile.sh with PROFILER=torch: one rank's trace says the
+    same as the step clock, at the end of the run and again from `xscale report --profile`."""
     mnist, images = write_mnist(tmp_path / "mnist"), write_imagefolder(tmp_path / "images")
     outputs = {name: tmp_path / name for name in ("compute", "communication", "data")}
     for output in outputs.values():
         output.mkdir()
     cluster.fault("throttle-link", "nid004", LINK_RATE)
     cluster.fault("slow-reads", "nid002", str(images), READ_RATE)
+    profiled = {"communication": profile_env(outputs["communication"], 0, 10, 20),
+                "data": profile_env(outputs["data"], 1, 2, 8)}
     jobs, data_run = [], None
     try:
         for name, nodes in (("compute", "nid[001-002]"), ("communication", "nid[003-004]")):
             jobs.append(cluster.submit(MNIST_JOB, output=outputs[name] / "job.out", sbatch_options=(
                 f"--chdir={REPO}", f"--nodelist={nodes}", "--nodes=2", "--ntasks-per-node=1"),
                 env={"DATA": str(mnist), "OUTPUT_DIR": str(outputs[name]), "MAX_STEPS": "40",
-                     "EPOCHS": "100000"}))
+                     "EPOCHS": "100000", **profiled.get(name, {})}))
         # As tests/test_trainers_cv.py runs it: srun, the container, run.sh, one worker.
         data_run = subprocess.Popen(
             ["srun", "--nodelist=nid[001-002]", "-N2", "-n2", "--cpu-bind=none", "--label",
-             "singularity", "exec", "xscale-test.sif", "/runscripts/run.sh", "python",
+             "singularity", "exec", "xscale-test.sif", "/runscripts/run-profile.sh", "python",
              "python/imagenet.py", "-a", "resnet18", "--image-size", "32", "-b", "8", "-j", "1",
              "--epochs", "1000", "--max-steps", "10", "--output-dir", str(outputs["data"]),
-             str(images)], cwd=REPO, env=tool_env(), stdout=subprocess.PIPE,
+             str(images)], cwd=REPO, env=tool_env() | profiled["data"], stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         data_text, _ = data_run.communicate(timeout=WAIT_S)
         states = [cluster.wait_state(job, ENDED, WAIT_S) for job in jobs]
@@ -150,9 +155,34 @@ def test_a_healthy_run_is_compute_bound_a_throttled_link_communication_bound_slo
     for name, record in records.items():
         check_step_time(record)
         assert record["bound"] == name, (name, record["step_time"])
-        assert f": {name}-bound; {steptime.ADVICE[name]} (rank " in texts[name], texts[name][-3000:]
+        assert f": {name}-bound; {bounds.ADVICE[name]} (rank " in texts[name], texts[name][-3000:]
     assert records["data"]["step_time_ranks"]["rank"] == 1  # nid002's view, not its peer's
     shares = {name: record["step_time"] for name, record in records.items()}
     for fault in ("communication", "data"):  # the fault's part grew from the healthy run's
         assert shares[fault][fault] > shares["compute"][fault], shares
+        check_profile_summary(texts[fault], profiled[fault], fault)
     print("step-time shares:", json.dumps(shares))
+
+
+def profile_env(output: Path, rank: int, start: int, steps: int) -> dict[str, str]:
+    """run-profile.sh's settings for torch.profiler on RANK, steps START.. (STEPS of them)."""
+    return {"RUNSCRIPT": "run-profile.sh", "PROFILER": "torch", "PROFILE_RANKS": str(rank),
+            "PROFILE_DIR": str(output / "profile"), "PROFILE_STEP_START": str(start),
+            "PROFILE_STEPS": str(steps)}
+
+
+def check_profile_summary(text: str, env: dict[str, str], bound: str) -> None:
+    """The profiled rank printed its trace's summary at the end of its run, with the run's bound
+    from the trace, and `xscale report --profile` prints the same again."""
+    rank, start = int(env["PROFILE_RANKS"]), int(env["PROFILE_STEP_START"])
+    last = start + int(env["PROFILE_STEPS"]) - 1
+    heading = f"xscale: profile of rank {rank}, steps {start}-{last} ({last - start + 1} steps)"
+    assert heading in text, text[-3000:]
+    verdicts = [line for line in text.splitlines() if f"(rank {rank}'s trace; " in line]
+    assert len(verdicts) == 1 and f": {bound}-bound; {bounds.ADVICE[bound]} " in verdicts[0], \
+        verdicts
+    again = subprocess.run([str(VENV_BIN / "xscale"), "report", "--profile", env["PROFILE_DIR"]],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert heading in again.stdout and verdicts[0].split("xscale: ", 1)[1] in again.stdout, \
+        again.stdout

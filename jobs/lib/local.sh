@@ -8,6 +8,7 @@
 XS_LOCAL_PRELUDE=1
 : "${SIF:=xscale-test.sif}"  # ignored by the shim; on LUMI a real image (jobs/lib/lumi.sh)
 : "${BINDS:=$XSCALE_ROOT}"   # the -B list; on LUMI also the host's network stack and /pfs
+: "${RUNSCRIPT:=run.sh}"     # the per-rank entrypoint; run-profile.sh profiles PROFILE_RANKS only
 
 # ---- rendezvous: computed here, outside the container, where Slurm's tools exist --------------
 # No `| head -n 1`: with pipefail, scontrol killed by SIGPIPE on a long node list fails the job.
@@ -21,11 +22,11 @@ export MASTER_ADDR
 # shellcheck source=jobs/lib/supervise.sh
 source "$XSCALE_ROOT/jobs/lib/supervise.sh"
 
-# xs_local_train CMD [ARGS...]: the training step, CMD under run.sh on every rank; its logs in
+# xs_local_train CMD [ARGS...]: the training step, CMD under RUNSCRIPT on every rank; its logs in
 # OUTPUT_DIR/xscale-records. --kill-on-bad-exit=1: a rank that dies ends the step instead of
 # leaving the others hanging. --cpu-bind=none: a virtual node's 2 cores are shared by its ranks.
 xs_local_train() {
   : "${XSCALE_RECORDS_DIR:=$OUTPUT_DIR/xscale-records}"
-  requeueable_launch "$SIF" "$BINDS" /runscripts/run.sh \
+  requeueable_launch "$SIF" "$BINDS" "/runscripts/$RUNSCRIPT" \
     --label --kill-on-bad-exit=1 --cpu-bind=none -- "$@"
 }

@@ -2,6 +2,7 @@
 `xscale` (pyproject.toml) and also run as `python -m xscale`.
 
     xscale report JOB_OUTPUT|SUMMARY.json [--png]   a run's readable summary (xscale.report)
+    xscale report --profile PROFILE_DIR             its profile summarised (xscale.profiles)
     xscale goodput-model [--nodes N ...]            requeue against spares over a long campaign
                                                     (xscale.goodput_model, docs/GOODPUT.md)
     xscale settings [--markdown]                    every XSCALE_* setting, its default and
@@ -20,7 +21,8 @@ import sys
 
 # Command -> (module, one line for --help). Each module has main(argv, prog).
 COMMANDS = {
-    "report": ("xscale.report", "a run's readable summary: its job output or xscale-summary.json"),
+    "report": ("xscale.report", "a run's readable summary: its job output or xscale-summary.json, "
+                                "or its profile (--profile DIR)"),
     "goodput-model": ("xscale.goodput_model",
                       "requeue against spares over a month of training (docs/GOODPUT.md)"),
     "settings": ("xscale.settings",

@@ -8,9 +8,12 @@ rank 14 for 32 steps). Two ways, chosen by what run.sh / run-profile.sh exported
   the window is marked for it: cudaProfilerStart/Stop (hipProfilerStart/Stop on ROCm) at its
   edges, so `--capture-range=cudaProfilerApi` style options record only the window, and an
   NVTX/ROCTX range per step so the timeline reads in steps.
-- XSCALE_TORCH_PROFILER=1: torch.profiler records the window itself and writes a Chrome/
-  TensorBoard trace into PROFILE_DIR/rank<R>.
+- XSCALE_TORCH_PROFILER=1 (run-profile.sh's PROFILER=torch): torch.profiler records the window
+  itself and writes a Chrome trace into PROFILE_DIR/rank<R>; the end of the run prints its
+  summary (xscale.profiles: top operators and kernels, the collectives' share, the verdict).
 - neither: nothing happens; step() is two integer comparisons.
+At the end of the run an external profiler's rank says where its files go and how to read
+them back (`xscale report --profile PROFILE_DIR`).
 
 Steps are global training steps, so a resumed run profiles only if the window is still ahead.
 """
@@ -19,16 +22,20 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from xscale import settings
+from xscale import profiles, settings
 from xscale.lifecycle import UserError
 
 DEFAULT_START = 10
 DEFAULT_STEPS = 32
+# A trace is read at about 20 MB/s (a 1 MB CPU trace in 0.05 s here); past this size its summary
+# would hold the end of the run, and the other ranks with it, for over 10 s: left to the report.
+SUMMARY_LIMIT_BYTES = 200_000_000
 
 
 def _count(env: Mapping[str, str], name: str, default: int, least: int) -> int:
@@ -45,7 +52,7 @@ class ProfileWindow:
     end. mode: "off", "external" or "torch"."""
 
     def __init__(self, mode: str, rank: int, device: torch.device, start: int = DEFAULT_START,
-                 steps: int = DEFAULT_STEPS, directory: Path | None = None) -> None:
+                 steps: int = DEFAULT_STEPS, profile_dir: Path | None = None) -> None:
         if mode not in ("off", "external", "torch"):
             raise ValueError(f"unknown profiling mode {mode!r}")
         self.mode = mode
@@ -53,11 +60,13 @@ class ProfileWindow:
         self.device = device
         self.start = start
         self.end = start + steps
-        self.directory = directory
+        self.profile_dir = profile_dir
+        self.trace: Path | None = None  # the torch.profiler trace, once written
         self.active = False
         self._in_step_range = False
         self._profiler: torch.profiler.profile | None = None
         self._finished = mode == "off"
+        self._closed = False
 
     # -- the per-step call ---------------------------------------------------------------------
 
@@ -70,13 +79,24 @@ class ProfileWindow:
             self._torch(step)
 
     def close(self) -> None:
-        """End a window the run did not reach the end of (max steps, a stop signal)."""
-        if self.mode == "external" and self.active:
-            self._stop_external(None)
-        elif self._profiler is not None:
-            self._profiler.stop()
-            self._profiler = None
-            self.active = False
+        """At the end of the run: end a window the run did not reach the end of (max steps, a
+        stop signal), and say what the profile holds (torch) or where it goes (external)."""
+        if self.mode == "off" or self._closed:  # Trainer may end training twice
+            return
+        self._closed = True
+        if self.mode == "external":
+            if self.active:
+                self._stop_external(None)
+            self._say(f"the profiler writes its files under {self.profile_dir} as this rank "
+                      f"exits; `xscale report --profile {self.profile_dir}` names them and "
+                      f"what opens them")
+        else:
+            if self._profiler is not None:
+                self._profiler.stop()
+                self._profiler = None
+                self.active = False
+            if self.trace is not None:
+                self._summarise()
         self._finished = True
 
     # -- an external profiler wraps us: mark the window for it ------------------------------------
@@ -128,7 +148,6 @@ class ProfileWindow:
             self._profiler = None
             self.active = False
             self._finished = True
-            self._say(f"torch.profiler trace written to {self.directory}")
 
     def _make_torch_profiler(self, first_step: int) -> torch.profiler.profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -139,12 +158,32 @@ class ProfileWindow:
         schedule = torch.profiler.schedule(skip_first=ahead - warmup, wait=0, warmup=warmup,
                                            active=self.end - max(self.start, first_step),
                                            repeat=1)
-        assert self.directory is not None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        handler = torch.profiler.tensorboard_trace_handler(str(self.directory),
-                                                           worker_name=f"rank{self.rank}")
-        return torch.profiler.profile(activities=activities, schedule=schedule,
-                                      on_trace_ready=handler, record_shapes=False)
+        profiler = torch.profiler.profile(activities=activities, schedule=schedule,
+                                          on_trace_ready=self._write_trace, record_shapes=False)
+        profiler.preset_metadata_json(profiles.FIRST_STEP, str(first_step))
+        return profiler
+
+    def _write_trace(self, profiler: torch.profiler.profile) -> None:
+        """Where torch.profiler's own TensorBoard handler would write it, so that TensorBoard
+        reads the directory too; kept to be summarised at the end of the run."""
+        assert self.profile_dir is not None
+        directory = self.profile_dir / f"rank{self.rank}"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.trace = directory / f"rank{self.rank}.{time.time_ns()}.pt.trace.json"
+        profiler.export_chrome_trace(str(self.trace))
+        self._say(f"torch.profiler trace written to {self.trace}")
+
+    def _summarise(self) -> None:
+        """Print the trace's summary; a trace that cannot be read costs a line, not the run."""
+        try:
+            size = self.trace.stat().st_size
+            if size > SUMMARY_LIMIT_BYTES:
+                self._say(f"the trace has {size / 1e6:.0f} MB; `xscale report --profile "
+                          f"{self.profile_dir}` summarises it after the run")
+                return
+            print(profiles.summarise(self.trace).text(), flush=True)
+        except (OSError, profiles.ProfileError) as error:
+            self._say(f"cannot summarise the profile: {error}")
 
     def _say(self, message: str) -> None:
         print(f"xscale: rank {self.rank}: {message}", file=sys.stderr, flush=True)
@@ -162,5 +201,5 @@ def window_from_env(rank: int, device: torch.device,
         return ProfileWindow("off", rank, device)
     start = _count(env, "PROFILE_STEP_START", DEFAULT_START, 0)
     steps = _count(env, "PROFILE_STEPS", DEFAULT_STEPS, 1)
-    directory = Path(env.get("PROFILE_DIR") or "xscale-profile") / f"rank{rank}"
-    return ProfileWindow(mode, rank, device, start, steps, directory)
+    profile_dir = Path(env.get("PROFILE_DIR") or "xscale-profile")
+    return ProfileWindow(mode, rank, device, start, steps, profile_dir)

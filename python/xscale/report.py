@@ -1,5 +1,6 @@
 """Readable summary of a finished run: `xscale report JOB_OUTPUT_FILE [--png]`, or
-`xscale report OUTPUT_DIR/xscale-summary.json` (also `python -m xscale.report ...`).
+`xscale report OUTPUT_DIR/xscale-summary.json` (also `python -m xscale.report ...`); its profile:
+`xscale report --profile PROFILE_DIR` (xscale.profiles).
 
 Reads the machine-readable lines a trainer prints (XSCALE_SUMMARY from rank 0, XSCALE_RANK from
 every rank), run.sh's `xscale: launcher=...` line and the supervisor's XSCALE_GOODPUT, and
@@ -7,7 +8,8 @@ the whole summary in the file the summary line names (xscale.taglines.whole_summ
 file alone; prints what a person wants to know, with the start-up phases (xscale.startup): each
 phase's median and slowest rank@node.
 `--png` also draws them, one row per node, into JOB_OUTPUT_FILE.startup.png (xscale.picture).
-Bad input (no such file, no summary, no phases to draw) is one line on stderr and status 2.
+Bad input (no such file, no summary, no phases to draw, no readable profile) is one line on
+stderr and status 2.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from xscale import startup, taglines
+from xscale import profiles, startup, taglines
 
 
 class ReportError(Exception):
@@ -165,15 +167,23 @@ def save_picture(ranks: list[startup.RankPhases], path: Path) -> None:
 
 def main(argv: list[str] | None = None, prog: str = "python -m xscale.report") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("output", type=Path,
+    parser.add_argument("output", type=Path, nargs="?",
                         help="the job's output file, or a run's xscale-summary.json")
     parser.add_argument("--png", action="store_true",
                         help="also draw the start-up phases, one row per node, into "
                              "OUTPUT.startup.png")
+    parser.add_argument("--profile", type=Path, metavar="PROFILE_DIR",
+                        help="instead: summarise run-profile.sh's profiles (torch.profiler "
+                             "traces) and say what opens the other profilers' files")
     args = parser.parse_args(argv)
+    if (args.output is None) == (args.profile is None):
+        parser.error("give a job output file or --profile PROFILE_DIR (one of them)")
     try:
-        report(args.output, args.png)
-    except ReportError as error:
+        if args.profile is not None:
+            print(profiles.describe(args.profile))
+        else:
+            report(args.output, args.png)
+    except (ReportError, profiles.ProfileError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -188,7 +188,8 @@ SETTINGS = (
             "log intervals compared together before a straggler is named", TRAINERS),
     Setting("XSCALE_TORCH_PROFILER", flag(), False,
             "1: torch.profiler records the profiling window (PROFILE_STEP_START, PROFILE_STEPS) "
-            "into PROFILE_DIR/rankR", TRAINERS),
+            "into PROFILE_DIR/rankR and the run's end prints its summary (run-profile.sh's "
+            "PROFILER=torch sets it on the profiled ranks; docs/STEPTIME.md)", TRAINERS),
     Setting("XSCALE_STAGE_DIR", PATH, None,
             "node-local directory the image trainers unpack --stage-tar into", TRAINERS,
             shown="/tmp/USER-xscale-data"),

@@ -38,26 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from xscale.bounds import SHARES, bound_of, verdict
 from xscale.spans import Spans
 
 # DDP times one iteration in this many (its own default is 100); the clock reads it as often.
 SAMPLE_EVERY = 10
-SHARES = ("data", "compute", "communication", "checkpoint", "other")
-BOUNDS = ("data", "compute", "communication", "checkpoint")
-ADVICE = {
-    "data": "stage the data set to node-local storage (jobs/lib/stage) or raise the "
-            "DataLoader's workers (--workers)",
-    "compute": "the devices are busy: profile one rank (runscripts/run-profile.sh) to see "
-               "which operators take the time",
-    "communication": "check the network with runscripts/doctor (the RCCL/NCCL network "
-                     "plugin, the interfaces, the all-reduce bandwidth against the site's "
-                     "floor: docs/DOCTOR.md)",
-    "checkpoint": "save less often (--checkpoint-every auto) or in the background "
-                  "(XSCALE_CHECKPOINT_MODE=async)",
-}
 CPU = torch.device("cpu")
-LABELS = {"data": "data", "compute": "compute", "communication": "communication",
-          "checkpoint": "checkpoints", "other": "other"}
 
 
 @dataclass(frozen=True)
@@ -80,7 +66,7 @@ class Breakdown:
 
     def bound(self) -> str:
         """The part that limits the step: the largest of BOUNDS."""
-        return max(BOUNDS, key=lambda name: getattr(self, name) or 0.0)
+        return bound_of(self.shares())
 
 
 class BufferSync:
@@ -222,16 +208,7 @@ class StepTime:
 
     def verdict(self) -> str:
         """The line a person reads at the end of the run."""
-        parts = []
-        for name, share in self.shares.items():
-            if share is None:
-                parts.append(f"{LABELS[name]} not measured (inside compute: no DDP)")
-            else:
-                hidden = " (not hidden)" if name == "communication" else ""
-                parts.append(f"{LABELS[name]} {share:.0%}{hidden}")
-        return (f"xscale: step time {self.seconds * 1000:.0f} ms: {', '.join(parts)}: "
-                f"{self.bound}-bound; {ADVICE[self.bound]} (rank {self.rank}; "
-                f"docs/STEPTIME.md)")
+        return verdict(self.seconds, self.shares, f"rank {self.rank}")
 
 
 def summarise(breakdowns: list[tuple[int, Breakdown | None]]) -> StepTime | None:

@@ -48,7 +48,7 @@ xs_main() {
   xs_expand_args "$@"
   xs_announce "${XS_ARGS[@]}"
   xs_export_startup_times
-  if [[ $mode == profile ]] && ((XS_PROFILE_THIS_RANK)); then
+  if [[ $mode == profile ]] && ((XS_PROFILE_THIS_RANK && ${#XS_PROFILER_WORDS[@]})); then
     exec "${XS_PROFILER_WORDS[@]}" "${XS_ARGS[@]}"
   fi
   exec "${XS_ARGS[@]}"

@@ -34,9 +34,12 @@ xs_select_profile_rank() {
 }
 
 # The profiler command for this rank: PROFILER (or the site's default) with {rank} and {dir}
-# filled in, split into words (no eval: a template is data, not shell code).
+# filled in, split into words (no eval: a template is data, not shell code). PROFILER=torch: no
+# command (no words); the trainer's torch.profiler records the window itself.
 xs_profiler_words() {
   local template=${PROFILER:-$XS_PROFILER_DEFAULT}
+  XS_PROFILER_WORDS=()
+  [[ $template == torch ]] && return 0
   template=${template//\{rank\}/$XS_RANK}
   template=${template//\{dir\}/$PROFILE_DIR}
   read -r -a XS_PROFILER_WORDS <<<"$template"
@@ -49,6 +52,7 @@ xs_profiler_words() {
 # "exec: NAME: not found" (exit 127) from one rank while the others wait for it. `type -P` is
 # a builtin PATH search.
 xs_check_profiler() {
+  ((${#XS_PROFILER_WORDS[@]})) || return 0  # torch.profiler: part of torch
   local tool=${XS_PROFILER_WORDS[0]}
   if [[ $tool == */* ]]; then
     [[ -x $tool && ! -d $tool ]] && return 0
@@ -69,7 +73,11 @@ xs_setup_profiling() {
   xs_default PROFILE_DIR "$PWD/profile-${SLURM_JOB_ID:-${PBS_JOBID:-$XS_RANK.$$}}"
   xs_profiler_words
   ((XS_PROFILE_THIS_RANK)) || return 0
-  xs_default XSCALE_PROFILED 1
+  if ((${#XS_PROFILER_WORDS[@]})); then
+    xs_default XSCALE_PROFILED 1
+  else
+    xs_default XSCALE_TORCH_PROFILER 1
+  fi
   mkdir -p -- "$PROFILE_DIR/rank$XS_RANK" 2>/dev/null \
     || xs_die "cannot create PROFILE_DIR '$PROFILE_DIR'"
 }

@@ -362,7 +362,7 @@ def judge_doctor(name: str, exit_code: int, verdict_path: Path, rank0_path: Path
 
 
 def check_profile(ctx: Context) -> Check:
-    """run-profile.sh on rank 0 with the site's PROFILER; torch.profiler when the site's tool is
+    """run-profile.sh on rank 0 with the site's PROFILER; PROFILER=torch when the site's tool is
     not installed here (run-profile.sh says so in one line and exits 2 before anything runs)."""
     name = "profile rank 0"
     trace_dir = ctx.out / "profile"
@@ -375,8 +375,8 @@ def check_profile(ctx: Context) -> Check:
     profiler = "the site's PROFILER"
     if outcome.exit_code == 2 and "is not installed" in outcome.output:
         profiler = f"torch.profiler ({outcome.output.strip().splitlines()[-1]})"
-        outcome = ctx.runner.run("profile-torch", [str(RUN_SH), *trainer],
-                                 child_env({**window, "XSCALE_TORCH_PROFILER": "1"}))
+        outcome = ctx.runner.run("profile-torch", [str(RUN_PROFILE), *trainer],
+                                 child_env({**window, "PROFILER": "torch"}))
     if failed := failed_run(name, outcome, ctx.runner.timeout_s):
         return failed
     return judge_trace(name, outcome, trace_dir, profiler)
@@ -395,8 +395,11 @@ def judge_trace(name: str, outcome: Outcome, trace_dir: Path, profiler: str) -> 
     if not found:
         return Check(name, FAIL, f"no non-empty trace of rank 0 in {trace_dir} ({profiler})")
     largest = max(found, key=lambda path: path.stat().st_size)
-    return Check(name, PASS, f"with {profiler}",
-                 {"trace": str(largest), "bytes": largest.stat().st_size})
+    figures = {"trace": str(largest), "bytes": largest.stat().st_size}
+    verdicts = [line for line in outcome.output.splitlines() if "(rank 0's trace; " in line]
+    if verdicts:  # torch.profiler's summary, printed at the end of the run
+        figures["trace verdict"] = verdicts[-1].split("xscale: ", 1)[-1]
+    return Check(name, PASS, f"with {profiler}", figures)
 
 
 # ---- throughput: one GPU, interleaved rounds ---------------------------------------------------
