@@ -122,7 +122,11 @@ class StepClock:
         if isinstance(model, nn.parallel.DistributedDataParallel) and model is not self._ddp:
             self._ddp = model
             model._set_ddp_runtime_logging_sample_rate(SAMPLE_EVERY)
-            self._buffer_sync = BufferSync(model, self.device)
+            # DDP broadcasts only buffers there are: without them the span would be DDP's own
+            # bookkeeping, and a busy host's preemption there would pass for communication.
+            has_buffers = next(model.module.buffers(), None) is not None
+            self._buffer_sync = BufferSync(model, self.device) \
+                if model.broadcast_buffers and has_buffers else None
 
     def waited_for_data(self, seconds: float) -> None:
         self._data += seconds
@@ -143,7 +147,8 @@ class StepClock:
         self._last = (now, self._data, self._checkpoint)
         if self._ddp is not None and self.steps % SAMPLE_EVERY == 0:
             self._sample()
-            self._buffer_sync.total()  # read the events done, so that few are kept
+            if self._buffer_sync is not None:
+                self._buffer_sync.total()  # read the events done, so that few are kept
 
     def _ddp_iteration(self) -> int | None:
         return None if self._ddp is None else self._ddp._get_ddp_logging_data().get("iteration")
@@ -172,7 +177,8 @@ class StepClock:
         data, stalled = data / steps, stalled / steps
         rest = max(seconds - data - stalled, 0.0)
         if self._samples:
-            broadcast = self._buffer_sync.total(wait=True) / steps
+            broadcast = 0.0 if self._buffer_sync is None \
+                else self._buffer_sync.total(wait=True) / steps
             compute = statistics.mean(sample[0] for sample in self._samples) - broadcast
             compute = min(max(compute, 0.0), rest)
             communication = statistics.mean(sample[1] for sample in self._samples) + broadcast
