@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, tool_env
+from tests.conftest import REPO, tool_env
 from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import rank_records, tagged_records, wait_for
 from tests.helpers import summary as summary_of
@@ -526,59 +526,35 @@ def goodput_of(text: str) -> dict:
     return tagged_records(text, "XSCALE_GOODPUT")[-1]
 
 
-def test_a_crashed_node_s_step_restarts_on_the_spare_without_a_requeue(cluster, mnist_data,
-                                                                        tmp_path):
-    job_id, out_dir, output = submit_with_a_spare(cluster, mnist_data, tmp_path)
-    with crashing(cluster, job_id) as crash:
-        nodes = job_nodes(job_id)
-        crashed = nodes[1]  # one of the three training nodes; nodes[3] is the spare
-        # Past the first checkpoint, long before the second: the crash throws work away.
-        progress = out_dir / "xscale-records" / "attempt0-launch1.progress"
-        wait_for(lambda: progress.exists() and any(
-            json.loads(line)["step"] > SPARE_EVERY for line in progress.read_text().splitlines()
-            if line.endswith("}")), 240, "progress past the first checkpoint")
-        crashed_at = time.time()
-        crash(crashed)
-        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
-    text = output.read_text()
-    assert state == "COMPLETED", text[-4000:]
-    assert job_fields(job_id)["Restarts"] == "0"  # no requeue: the same allocation throughout
-    kept = [node for node in nodes if node != crashed]
-    assert (f"xscale: restart 1 of 3: relaunching on nid[{kept[0][3:]},{kept[1][3:]}-"
-            f"{kept[2][3:]}] without {crashed}") in text, text[-4000:]
-    resumed = tagged_records(text.rpartition("xscale: restart 1 of")[2], "XSCALE_SUMMARY")[-1]
-    # From the checkpoint, on the three other nodes, with the same world size, to the end.
-    assert resumed["start_step"] >= SPARE_EVERY and resumed["steps"] == SPARE_STEPS, resumed
-    assert resumed["world_size"] == 6, resumed
-    ranks = rank_records(text.rpartition("xscale: restart 1 of")[2])
-    assert {record["node"] for record in ranks} == set(kept), ranks
-    ledger = goodput_of(text)
-    # The steps past the checkpoint, redone by the resumed step.
-    assert ledger["lost_work_s"] > 0 and ledger["lost_steps"] >= SPARE_LOG_EVERY, ledger
-    assert ledger["restarts_s"] > 0, ledger
-    assert 0 < ledger["goodput"] < 1, ledger
-    records = out_dir / "xscale-records"
-    resumed_at = next(json.loads(line)["time"] for line in
-                      (records / "attempt0-launch2.progress").read_text().splitlines()
-                      if json.loads(line)["event"] == "first_step")
-    goodput_line = next(line for line in text.splitlines() if line.startswith("xscale: goodput:"))
-    report = subprocess.run([str(VENV_BIN / "xscale"), "report", str(output)],
-                            capture_output=True, text=True, timeout=60, check=False)
-    assert f"  goodput     {ledger['text']}" in report.stdout.splitlines(), report
-    assert goodput_line == "xscale: goodput: " + ledger["text"]
-    print(f"{crashed} crashed: the resumed step's first step came {resumed_at - crashed_at:.1f} s"
-          f" later, in the same allocation; {goodput_line}")
+def first_step_of(progress: Path) -> dict | None:
+    """The first_step note of a launch's progress (xscale.contract), once it is there."""
+    lines = progress.read_text().splitlines() if progress.exists() else []
+    return next((json.loads(line) for line in lines if line.endswith("}")
+                 and json.loads(line)["event"] == "first_step"), None)
 
 
-def test_a_second_crash_with_one_spare_falls_back_to_the_requeue(cluster, mnist_data, tmp_path):
+def past_step(progress: Path, step: int) -> bool:
+    lines = progress.read_text().splitlines() if progress.exists() else []
+    return any(json.loads(line)["step"] > step for line in lines if line.endswith("}"))
+
+
+def test_a_crashed_node_s_step_restarts_on_the_spare_and_a_second_crash_requeues(
+        cluster, mnist_data, tmp_path):
+    """XSCALE_SPARES=1: 3 x 2 ranks on four nodes. The first crash, past the first checkpoint
+    and long before the second: the step is relaunched at once in the same allocation, on the
+    two nodes left and the spare, from the checkpoint (the steps since are redone). The second
+    crash leaves two nodes of the four, three needed: back to the queue, without both."""
     job_id, out_dir, output = submit_with_a_spare(cluster, mnist_data, tmp_path,
                                                   MAX_STEPS="100000")
+    records = out_dir / "xscale-records"
     with crashing(cluster, job_id) as crash:
-        nodes = job_nodes(job_id)
-        wait_for(lambda: any(out_dir.glob("ckpt-*.pt")), 240, "the first checkpoint")
+        nodes = job_nodes(job_id)  # nodes[3] is the spare
+        wait_for(lambda: past_step(records / "attempt0-launch1.progress", SPARE_EVERY), 240,
+                 "progress past the first checkpoint")
+        crashed_at = time.time()
         crash(nodes[1])
-        wait_for(lambda: "xscale: restart 1 of 3" in output.read_text(), 180, "the restart")
-        wait_for(lambda: (out_dir / "xscale-records" / "attempt0-launch2.progress").exists(), 240,
+        restarted = records / "attempt0-launch2.progress"
+        wait_for(lambda: first_step_of(restarted) is not None, 240,
                  "the restarted step's first step")
         crash(nodes[2])
         # Requeued, then given its ExcNodeList (supervisor.py's requeue_without says why).
@@ -586,11 +562,29 @@ def test_a_second_crash_with_one_spare_falls_back_to_the_requeue(cluster, mnist_
                  "the requeue without both nodes")
         excluded, restarts = job_fields(job_id)["ExcNodeList"], job_fields(job_id)["Restarts"]
     text = output.read_text()
-    # Two nodes left of the four, three needed: back to the queue, without both.
+    kept = [node for node in nodes if node != nodes[1]]
+    kept_list = f"nid[{kept[0][3:]},{kept[1][3:]}-{kept[2][3:]}]"
+    assert f"xscale: restart 1 of 3: relaunching on {kept_list} without {nodes[1]}" in text, \
+        text[-4000:]
+    # The relaunch, in the same allocation (no requeue before the second crash), on the
+    # nodes left and the spare, resumed from the checkpoint.
+    launches = json.loads((records / "attempt0.json").read_text())["launches"]
+    assert launches[1]["nodes"] == kept_list, launches
+    resumed = first_step_of(restarted)
+    assert SPARE_EVERY < resumed["step"] < 2 * SPARE_EVERY, resumed
+    # The second crash: two nodes left of the four, three needed.
     lost = f"nid[{nodes[1][3:]}-{nodes[2][3:]}]"
     assert f"xscale: retry 1 of 3: requeueing job {job_id} without {lost}" in text, text[-4000:]
     assert (excluded, restarts) == (lost, "1")
     assert "xscale: restart 2 of" not in text
+    # The ledger, as the attempt ended: the steps past the checkpoint were redone.
+    ledger = goodput_of(text)
+    assert ledger["lost_work_s"] > 0 and ledger["lost_steps"] >= SPARE_LOG_EVERY, ledger
+    assert ledger["restarts_s"] > 0 and 0 < ledger["goodput"] < 1, ledger
+    goodput_line = next(line for line in text.splitlines() if line.startswith("xscale: goodput:"))
+    assert goodput_line == "xscale: goodput: " + ledger["text"]
+    print(f"{nodes[1]} crashed: the restarted step's first step came "
+          f"{resumed['time'] - crashed_at:.1f} s later, in the same allocation; {goodput_line}")
 
 
 def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):

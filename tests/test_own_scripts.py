@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, VENV_BIN
 from tests.helpers import tagged_records, wait_for
 from tests.test_gpt_neo import tiny  # noqa: F401 (a fixture: the tiny GPT-neo and its data)
 
@@ -123,18 +123,16 @@ def test_the_documented_lines_are_the_whole_difference(kind: str, script: str):
     assert changed_lines(code_lines(script), code_lines(with_xscale(script))) == documented
 
 
-def slowed_and_requeued(cluster, job_id: str, output: Path, records: Path) -> str:
-    """The job's output once it ran through this: nid002 slowed from the first step (RECORDS:
-    the job's xscale-records), the straggler line, Slurm's time-limit warning, the requeue and
-    the resumed run to its end; the job cancelled whatever happens."""
+def slowed_and_requeued(cluster, job_id: str, output: Path, records: Path) -> None:
+    """The job run through this: nid002 slowed from the first step (RECORDS: the job's
+    xscale-records), the straggler line, Slurm's time-limit warning, the requeue and the
+    resumed run to its end (its OUTPUT); the job cancelled whatever happens."""
     try:
         cluster.slow_once_training("nid002", records)
         state = requeue_after_the_warning(cluster, job_id, output)
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)
-    text = output.read_text()
-    assert state == "COMPLETED", text[-3000:]
-    return text
+    assert state == "COMPLETED", output.read_text()[-3000:]
 
 
 def requeue_after_the_warning(cluster, job_id: str, output: Path) -> str:
@@ -157,10 +155,12 @@ def requeue_after_the_warning(cluster, job_id: str, output: Path) -> str:
     return cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 300)
 
 
-def check_stopped_and_resumed(text: str, out: Path, steps: int, straggler: str) -> None:
+def check_stopped_and_resumed(output: Path, out: Path, steps: int, straggler: str) -> None:
     """What the lines bought: the first run stopped at the warning with a checkpoint, the
     requeued one resumed at that step and finished; the slowed rank was named; the summary
-    file holds the last run; the goodput ledger counted the training."""
+    file holds the last run; the goodput ledger counted the training, and `xscale report`
+    shows it."""
+    text = output.read_text()
     first, second = tagged_records(text, "XSCALE_SUMMARY")
     assert (first["stopped_early"], first["signal"]) == (True, "SIGUSR1"), first
     assert first["checkpoint"] and 0 < first["steps"] < steps, first
@@ -171,6 +171,9 @@ def check_stopped_and_resumed(text: str, out: Path, steps: int, straggler: str) 
     assert json.loads((out / "xscale-summary.json").read_text())["steps"] == steps
     ledger = tagged_records(text, "XSCALE_GOODPUT")[-1]
     assert 0 < ledger["goodput"] < 1 and ledger["training_s"] > 0, ledger
+    report = subprocess.run([str(VENV_BIN / "xscale"), "report", str(output)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert f"  goodput     {ledger['text']}" in report.stdout.splitlines(), report
     assert "requeueing job" in text and "xscale: the launch failed" not in text
 
 
@@ -195,8 +198,8 @@ def test_a_plain_ddp_script_with_xscales_lines_stops_resumes_and_names_a_straggl
     job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "40", "--output-dir", str(out),
                             output=output, sbatch_options=THREE_RANKS,
                             env={"OUTPUT_DIR": str(out), **STRAGGLER_ENV})
-    text = slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
-    check_stopped_and_resumed(text, out, steps, "2 on nid002")
+    slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
+    check_stopped_and_resumed(output, out, steps, "2 on nid002")
 
 
 def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler(
@@ -210,5 +213,5 @@ def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler
         "--pretrained-model", str(model), "--dataset", str(data), "--max-steps", str(steps),
         output=output, sbatch_options=THREE_RANKS,
         env={"OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1", **STRAGGLER_ENV})
-    text = slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
-    check_stopped_and_resumed(text, out / "tiny", steps, "2 on nid002")
+    slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
+    check_stopped_and_resumed(output, out / "tiny", steps, "2 on nid002")
