@@ -131,6 +131,13 @@ def test_a_profile_directory_names_each_profilers_files_and_what_opens_them(tmp_
     assert f"{tmp_path / 'rank1' / 'results.json'}: a Chrome trace" in text
 
 
+def test_a_profile_dir_that_cannot_be_made_is_a_user_error_before_training(tmp_path):
+    (tmp_path / "file").write_text("")
+    env = {"XSCALE_TORCH_PROFILER": "1", "PROFILE_DIR": str(tmp_path / "file" / "prof")}
+    with pytest.raises(UserError, match="PROFILE_DIR '.*' cannot be created: Not a directory"):
+        profiling.window_from_env(0, torch.device("cpu"), env)
+
+
 @pytest.mark.parametrize("name, value", [("PROFILE_STEPS", "0"), ("PROFILE_STEP_START", "ten")])
 def test_bad_profile_variables_are_user_errors(name, value):
     with pytest.raises(UserError, match=name):

@@ -168,6 +168,7 @@ class ProfileWindow:
         reads the directory too; kept to be summarised at the end of the run."""
         assert self.profile_dir is not None
         directory = self.profile_dir / f"rank{self.rank}"
+        # window_from_env made it, a window built directly may not have
         directory.mkdir(parents=True, exist_ok=True)
         self.trace = directory / f"rank{self.rank}.{time.time_ns()}.pt.trace.json"
         profiler.export_chrome_trace(str(self.trace))
@@ -202,4 +203,10 @@ def window_from_env(rank: int, device: torch.device,
     start = _count(env, "PROFILE_STEP_START", DEFAULT_START, 0)
     steps = _count(env, "PROFILE_STEPS", DEFAULT_STEPS, 1)
     profile_dir = Path(env.get("PROFILE_DIR") or "xscale-profile")
+    if mode == "torch":  # made now: a directory that cannot be is one line before training
+        try:
+            (profile_dir / f"rank{rank}").mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UserError(f"PROFILE_DIR '{profile_dir}' cannot be created: "
+                            f"{error.strerror}") from None
     return ProfileWindow(mode, rank, device, start, steps, profile_dir)
