@@ -41,10 +41,10 @@ COMMUNICATION = re.compile(r"ccl|gloo:|c10d::|record_param_comms|all_?reduce|all
                            r"reduce_?scatter|all_?to_?all", re.IGNORECASE)
 DEVICE = {"kernel", "gpu_memcpy", "gpu_memset"}  # what a device ran (Kineto's categories)
 TOP = 8
-# Each other file a profiler leaves, by the end of its name: what it is and what opens it.
+# Each other file a profiler leaves, by the end(s) of its name: what it is and what opens it.
 OPENERS = (
-    (".nsys-rep", "Nsight Systems report", "nsys stats FILE (kernel and API tables) or nsys-ui"),
-    (".qdrep", "Nsight Systems report", "nsys stats FILE (kernel and API tables) or nsys-ui"),
+    ((".nsys-rep", ".qdrep"), "Nsight Systems report",
+     "nsys stats FILE (kernel and API tables) or nsys-ui"),
     (".stats.csv", "rocprof's statistics (calls and time per kernel or API)",
      "a spreadsheet, or column -s, -t < FILE"),
     (".csv", "rocprof's list of kernel dispatches", "a spreadsheet, or column -s, -t < FILE"),

@@ -62,6 +62,13 @@ class ProfileWindow:
         self.end = start + steps
         self.profile_dir = profile_dir
         self.trace: Path | None = None  # the torch.profiler trace, once written
+        if mode == "torch":  # made now: a directory that cannot be is one line before training
+            assert profile_dir is not None
+            try:
+                (profile_dir / f"rank{rank}").mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise UserError(f"PROFILE_DIR '{profile_dir}' cannot be created: "
+                                f"{error.strerror}") from None
         self.active = False
         self._in_step_range = False
         self._profiler: torch.profiler.profile | None = None
@@ -167,9 +174,7 @@ class ProfileWindow:
         """Where torch.profiler's own TensorBoard handler would write it, so that TensorBoard
         reads the directory too; kept to be summarised at the end of the run."""
         assert self.profile_dir is not None
-        directory = self.profile_dir / f"rank{self.rank}"
-        # window_from_env made it, a window built directly may not have
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = self.profile_dir / f"rank{self.rank}"  # made by the constructor
         self.trace = directory / f"rank{self.rank}.{time.time_ns()}.pt.trace.json"
         profiler.export_chrome_trace(str(self.trace))
         self._say(f"torch.profiler trace written to {self.trace}")
@@ -203,10 +208,4 @@ def window_from_env(rank: int, device: torch.device,
     start = _count(env, "PROFILE_STEP_START", DEFAULT_START, 0)
     steps = _count(env, "PROFILE_STEPS", DEFAULT_STEPS, 1)
     profile_dir = Path(env.get("PROFILE_DIR") or "xscale-profile")
-    if mode == "torch":  # made now: a directory that cannot be is one line before training
-        try:
-            (profile_dir / f"rank{rank}").mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise UserError(f"PROFILE_DIR '{profile_dir}' cannot be created: "
-                            f"{error.strerror}") from None
     return ProfileWindow(mode, rank, device, start, steps, profile_dir)

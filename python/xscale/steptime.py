@@ -122,11 +122,10 @@ class StepClock:
         if isinstance(model, nn.parallel.DistributedDataParallel) and model is not self._ddp:
             self._ddp = model
             model._set_ddp_runtime_logging_sample_rate(SAMPLE_EVERY)
-            # DDP broadcasts only buffers there are: without them the span would be DDP's own
+            # Only where DDP broadcasts buffers: without any the span would be DDP's own
             # bookkeeping, and a busy host's preemption there would pass for communication.
-            has_buffers = next(model.module.buffers(), None) is not None
             self._buffer_sync = BufferSync(model, self.device) \
-                if model.broadcast_buffers and has_buffers else None
+                if model.will_sync_module_buffers() else None
 
     def waited_for_data(self, seconds: float) -> None:
         self._data += seconds
