@@ -126,6 +126,15 @@ slow() {
   printf '%s\n' "$!" >"$(xsc_slow_pidfile "$node")"
 }
 
+# SIGCONT to every process of NODE: a process the throttler stopped and did not continue as it
+# ended (a DataLoader worker, once) would hang its rank for good, its job with it.
+continue_all() {
+  local -a pids
+  mapfile -t pids < <(ip netns pids "$1")
+  (( ${#pids[@]} )) && kill -CONT "${pids[@]}" 2>/dev/null
+  return 0
+}
+
 # Stop the throttler; it continues whatever it had stopped as it ends.
 unslow() {
   local pidfile pid
@@ -142,6 +151,7 @@ heal() {
   for node in "$@"; do
     need_node "$node"
     unslow "$node"
+    continue_all "$node"
     xsc_end_slow_reads "$node"
     unthrottle_link "$node"
     ip -n "$node" link set hsn0 up
