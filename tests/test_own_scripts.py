@@ -11,6 +11,7 @@ import difflib
 import json
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -141,18 +142,29 @@ def requeue_after_the_warning(cluster, job_id: str, output: Path) -> str:
     (the warning is on its way: a stop at a tenth of the pace would test nothing more), wait
     for the job to requeue itself, release it (Slurm holds a requeued job back for a while:
     tests/test_failures.py), and wait for its end."""
-    try:
-        wait_for(lambda: output.exists() and "xscale: straggler:" in output.read_text(), 240,
-                 "the straggler line")
-    except AssertionError as error:
-        text = output.read_text() if output.exists() else "(no output yet)"
-        raise AssertionError(f"{error}\n{text[-4000:]}") from None
+    with_output(output, lambda: wait_for(
+        lambda: output.exists() and "xscale: straggler:" in output.read_text(), 240,
+        "the straggler line"))
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
     cluster.fault("heal", "nid002")
-    wait_for(lambda: cluster.job_state(job_id)[0] == "PENDING", 120, "the requeue")
+    # A job that ended instead of requeueing (a rank that failed at the stop) ends the wait.
+    requeued = with_output(output, lambda: cluster.wait_state(
+        job_id, {"PENDING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 120))
+    assert requeued == "PENDING", f"the job ended {requeued} at the warning: " \
+        f"{output.read_text()[-4000:]}"
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], check=True,
                    timeout=30)
     return cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 300)
+
+
+def with_output(output: Path, wait: Callable[[], str]) -> str:
+    """WAIT's result; if it times out, the job's output goes with the error: the state alone
+    cannot say where a job stood."""
+    try:
+        return wait()
+    except AssertionError as error:
+        text = output.read_text() if output.exists() else "(no output yet)"
+        raise AssertionError(f"{error}\n{text[-4000:]}") from None
 
 
 def check_stopped_and_resumed(output: Path, out: Path, steps: int, straggler: str) -> None:
