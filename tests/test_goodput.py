@@ -138,6 +138,17 @@ def test_the_ledger_tells_training_from_start_up_checkpoints_lost_work_and_resta
         "restarts 28.0%, other 4.0%); 5 steps redone")
 
 
+def test_a_live_recovery_is_its_own_share_and_redoes_no_step():
+    """A launch that lost a node at t=50 and trained on, its group re-formed 2.5 s after the
+    failure was noticed (jobs/lib/recovery.py's record): those seconds are not training."""
+    live = dict(RESUMED, log="live", recoveries=[{"joined_s": 2.5, "lost": ["nid002"]}])
+    run = {"started": 70.0, "ended": 125.0, "launches": [live]}
+    book = goodput.ledger([run], lambda launch: PROGRESS["s2"])
+    assert book["recovery_s"] == 2.5 and book["training_s"] == (120 - 90) - 2.5
+    assert book["lost_steps"] == 0 and book["lost_work_s"] == 0
+    assert "live recovery 4.5%" in goodput.line(book), goodput.line(book)
+
+
 def test_a_requeue_counts_its_wait_in_the_queue_apart_from_the_allocated_time():
     first = {"started": 0.0, "ended": 72.0, "launches": [FAILED]}
     second = {"started": 200.0, "ended": 250.0,

@@ -11,6 +11,7 @@ import difflib
 import json
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 from tests.conftest import REPO, VENV_BIN
 from tests.helpers import tagged_records, wait_for
+from tests.test_failures import job_fields, job_nodes, past_step, trainer_pids
 from tests.test_gpt_neo import tiny  # noqa: F401 (a fixture: the tiny GPT-neo and its data)
 
 OWN_DDP = "tests/programs/own_ddp.py"
@@ -227,3 +229,43 @@ def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler
         env={"OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1", **STRAGGLER_ENV})
     slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
     check_stopped_and_resumed(output, out / "tiny", steps, "2 on nid002")
+
+
+def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, tmp_path: Path):
+    """XSCALE_SPARES=1 on four nodes, one rank each: the script with docs/YOUR-SCRIPT.md's lines
+    gets live recovery without a line more. A node frozen whole (every process stopped: nothing
+    fails, no connection closes) is noticed by its silence (XSCALE_HEARTBEAT_S, 6 s here, 30 by
+    default), the spare takes its rank, and the job completes in its one allocation; the
+    healthy ranks are the processes they were, and nothing was taken for a failure before (the
+    auto interval's checkpoints included)."""
+    out, output = tmp_path / "out", tmp_path / "job.out"
+    job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "60", "--output-dir",
+                            str(out), output=output,
+                            sbatch_options=("--nodes=4", "--ntasks-per-node=1", "--no-kill"),
+                            env={"OUTPUT_DIR": str(out), "XSCALE_SPARES": "1",
+                                 "XSCALE_HEARTBEAT_S": "6"})
+    progress = out / "xscale-records" / "attempt0-launch1.progress"
+    frozen = None
+    try:
+        nodes = job_nodes(job_id)  # nodes[3] is the spare
+        wait_for(lambda: past_step(progress, 60), 240, "training under way")
+        before = trainer_pids(job_id)
+        frozen, frozen_at = nodes[1], time.monotonic()
+        cluster.fault("freeze", frozen)
+        wait_for(lambda: f"in place of {frozen}" in output.read_text(), 60, "the live recovery")
+        recovered_s = time.monotonic() - frozen_at
+        after = trainer_pids(job_id)
+        state = cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+        if frozen is not None:
+            cluster.fault("heal", frozen)
+    text = output.read_text()
+    assert state == "COMPLETED" and job_fields(job_id)["Restarts"] == "0", text[-4000:]
+    leaves = [line for line in text.splitlines() if "every rank leaves" in line]
+    assert len(leaves) == 1 and f"on {frozen} sent nothing for 6 s" in leaves[0], leaves
+    assert f"xscale: live recovery: {nodes[3]} in place of {frozen}" in text
+    assert all(after[rank] == before[rank] for rank in (0, 2)), (before, after)
+    summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
+    assert summary["steps"] == 60 * (1024 // 3 // 32) and summary["world_size"] == 3, summary
+    print(f"{frozen} frozen: replaced live {recovered_s:.1f} s later (XSCALE_HEARTBEAT_S=6)")

@@ -128,6 +128,19 @@ def test_slurm_falls_back_to_nprocs_and_job_nodelist(tmp_path):
     assert env["MASTER_PORT"] == expected_port(9, 1)
 
 
+def test_a_replacement_step_takes_the_lost_nodes_ranks(tmp_path):
+    """Live recovery's step on a spare: task 1 of 2 on its one node, standing in for node 1 of
+    3 (jobs/lib/recovery.py), is rank 3 of 6; a malformed value stops it in one line."""
+    slurm = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
+             "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NNODES": "1",
+             "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "nid[001-004]"}
+    env = print_env(base_env(tmp_path, XSCALE_REPLACEMENT="1/3", **slurm))
+    assert layout(env) == [3, 6, 1, 2, 1, 3]
+    for bad in ("1", "3/3", "a/3"):
+        assert_user_error(run(["true"], base_env(tmp_path, XSCALE_REPLACEMENT=bad, **slurm)),
+                          "XSCALE_REPLACEMENT")
+
+
 def test_batch_shell_is_not_a_slurm_rank(tmp_path):
     """sbatch's own shell has SLURM_PROCID=0 but no step: it is one process, not rank 0 of N."""
     slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "5",

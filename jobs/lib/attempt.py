@@ -23,10 +23,11 @@ class Launch:
     supervisor was killed."""
 
     def __init__(self, log, nodes, launched, status=None, ended=None, reported=False,
-                 blamed=None):
+                 blamed=None, recoveries=()):
         self.log, self.nodes, self.launched = log, nodes, launched
         self.status, self.ended = status, ended
         self.reported, self.blamed = reported, blamed
+        self.recoveries = list(recoveries)  # live recoveries (jobs/lib/recovery.py)
 
     def ended_with(self, status):
         self.status, self.ended = status, time.time()

@@ -17,6 +17,9 @@ training was held up, the end). From them, in seconds:
     restarts     a failed launch's last sign of progress to its end (the failure being noticed:
                  a collective timeout, Slurm's SlurmdTimeout), and from there to the next
                  launch in the same allocation
+    recovery     live recoveries (jobs/lib/recovery.py): from a failure noticed to the group
+                 re-formed with the replacement, inside a launch that trained on; no step is
+                 lost
     other        the rest: staging, evaluation, the script's own set-up and clean-up
     queued       not allocated: the wait in the queue after each requeue
 
@@ -36,13 +39,24 @@ import os
 
 from shared import contract
 
-CATEGORIES = ("training", "startup", "checkpoints", "lost_work", "restarts", "other")
+CATEGORIES = ("training", "startup", "checkpoints", "lost_work", "restarts", "recovery",
+              "other")
 LABELS = {"startup": "start-up", "checkpoints": "checkpoints", "lost_work": "lost work",
-          "restarts": "restarts", "other": "other"}
+          "restarts": "restarts", "recovery": "live recovery", "other": "other"}
+SHOWN_WHEN_SPENT = ("recovery",)  # in the line only when some time went to it
 
 
 def account_launch(launch, events, next_launch):
-    """Seconds per category for one launch, and the steps its failure threw away."""
+    """Seconds per category for one launch, and the steps its failure threw away; the time its
+    live recoveries took is taken out of its training."""
+    spent, lost = _account_launch(launch, events, next_launch)
+    recovery = sum(entry.get("joined_s", 0.0) for entry in launch.get("recoveries") or [])
+    spent["recovery"] = min(recovery, spent["training"])
+    spent["training"] -= spent["recovery"]
+    return spent, lost
+
+
+def _account_launch(launch, events, next_launch):
     launched, ended = launch.get("launched"), launch.get("ended")
     spent = dict.fromkeys(CATEGORIES, 0.0)
     if launched is None or ended is None:
@@ -109,7 +123,8 @@ def line(book):
     if not allocated:
         return "unknown (no training launch ran)"
     shares = ", ".join("%s %.1f%%" % (LABELS[category], 100 * book[category + "_s"] / allocated)
-                       for category in CATEGORIES if category != "training")
+                       for category in CATEGORIES if category != "training"
+                       and (category not in SHOWN_WHEN_SPENT or book[category + "_s"]))
     text = "%.1f%% of %.1f min (%s)" % (100 * book["goodput"], allocated / 60, shares)
     if book["lost_steps"]:
         text += "; %d steps redone" % book["lost_steps"]

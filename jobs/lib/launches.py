@@ -45,6 +45,7 @@ class SupervisedLaunch:
         self.line, self.log, self.stop_file = line, log, stop_file
         self.env, self.placement = env, placement
         self.proc = None
+        self.on_start = None  # called with the launch's process once it runs
         self.forwarded = set()
         self.fr_dir = contract.launch_file(log, contract.FLIGHT_RECORDS)
 
@@ -56,13 +57,7 @@ class SupervisedLaunch:
         if came:
             say("not starting the launch: SIG%s came before it" % came[-1])
             return 143 if came[-1] == "TERM" else 0
-        # The launch time, for the trainers' start-up phases (docs/STARTUP.md), in bash's
-        # EPOCHREALTIME form; only this launch's environment holds it, so an srun typed later by
-        # hand reports its launch as unknown rather than this launch's.
-        env = dict(os.environ, **self.env)
-        env.update({contract.LAUNCH_TIME_VAR: "%.6f" % time.time(),
-                    contract.FR_DIR_VAR: self.fr_dir,
-                    contract.PROGRESS_VAR: contract.launch_file(self.log, contract.PROGRESS)})
+        env = self.environment()
         os.makedirs(self.fr_dir, exist_ok=True)
         with open(self.log, "ab") as log:
             try:
@@ -72,6 +67,8 @@ class SupervisedLaunch:
             except OSError as error:
                 say("cannot start the launch: %s: %s" % (argv[0], error.strerror))
                 return 127
+            if self.on_start is not None:
+                self.on_start(self.proc)
             copier = threading.Thread(target=copy_output, args=(self.proc.stdout, log),
                                       daemon=True)
             copier.start()
@@ -89,6 +86,17 @@ class SupervisedLaunch:
             # then the log may miss that process's lines, not the launch's.
             copier.join(COPY_DRAIN_S)
         return 128 - status if status < 0 else status
+
+    def environment(self):
+        """The launch's environment: the batch script's, ENV, and what the ranks are told of
+        the launch. The launch time is for the trainers' start-up phases (docs/STARTUP.md), in
+        bash's EPOCHREALTIME form; only this launch's environment holds it, so an srun typed
+        later by hand reports its launch as unknown rather than this launch's."""
+        env = dict(os.environ, **self.env)
+        env.update({contract.LAUNCH_TIME_VAR: "%.6f" % time.time(),
+                    contract.FR_DIR_VAR: self.fr_dir,
+                    contract.PROGRESS_VAR: contract.launch_file(self.log, contract.PROGRESS)})
+        return env
 
     def on_stop(self, signum, frame):
         """A stop signal from the batch shell, or from Slurm directly (scancel signals every

@@ -23,7 +23,7 @@
 XS_SUPERVISOR=${BASH_SOURCE[0]%/*}/supervisor.py
 # The supervisor reads its settings from the environment (docs/FAILURES.md, "Settings").
 export XSCALE_RETRY XSCALE_MAX_RETRIES XSCALE_MAX_REQUEUES XSCALE_BLAME XSCALE_RECORDS_DIR \
-  XSCALE_SPARES XSCALE_MAX_RESTARTS
+  XSCALE_SPARES XSCALE_MAX_RESTARTS XSCALE_LIVE_RECOVERY XSCALE_HEARTBEAT_S
 XS_LAUNCH_PID=""     # the supervisor running the step, while it runs
 XS_SUPERVISED=""   # set once the supervisor has a decision to carry out when the script exits
 XS_AT_EXIT=()      # clean-up functions, run as the script exits, before the requeue

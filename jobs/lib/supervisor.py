@@ -39,6 +39,7 @@ import time
 import failure_report
 import goodput
 import hangs
+import recovery
 from allocation import Allocation, AllocationError
 from attempt import Attempt
 from launch_line import LaunchLine
@@ -68,6 +69,8 @@ class Settings:
             raise UserError(str(error)) from None
         self.spares = xscale_settings.value("XSCALE_SPARES", env)
         self.max_restarts = xscale_settings.value("XSCALE_MAX_RESTARTS", env)
+        self.live_recovery = xscale_settings.value("XSCALE_LIVE_RECOVERY", env)
+        self.heartbeat_s = xscale_settings.value("XSCALE_HEARTBEAT_S", env)
         self.job = requeue_id(env)
         self.attempt = int(env.get("SLURM_RESTART_COUNT") or 0)  # Slurm counts the requeues
         self.records_dir = xscale_settings.value("XSCALE_RECORDS_DIR", env) or os.path.join(
@@ -196,9 +199,23 @@ def command_launch(settings, stop_file, line):
         launch = attempt.launch(job_records.next_launch_log(attempt),
                                 allocation.layout(settings.env)[0])
         job_records.save(attempt)
-        supervised = SupervisedLaunch(placed, launch.log, stop_file, allocation.environment(),
+        live = live_launch(settings, allocation, placed, launch.log)
+        env = allocation.environment()
+        if live is not None:
+            placed = live.launch_line(placed)
+            env.update(live.environment())
+        supervised = SupervisedLaunch(placed, launch.log, stop_file, env,
                                       allocation.placement(settings.env))
-        launch.ended_with(supervised.execute())
+        if live is not None:
+            live.launch_env = supervised.environment()
+            live.start()
+            supervised.on_start = live.started
+        status = supervised.execute()
+        if live is not None:
+            status = live.end(status)
+            launch.recoveries = live.coordinator.saved()
+            attempt.excluded = sorted(allocation.excluded)
+        launch.ended_with(status)
         job_records.save(attempt)
         if launch.status == 0 or stop_signals(stop_file) or supervised.proc is None:
             break  # done; stopped (TERM means stop, a warning leaves no time); never started
@@ -212,6 +229,15 @@ def command_launch(settings, stop_file, line):
         job_records.save(attempt)
     job_records.save(attempt)
     return launch.status
+
+
+def live_launch(settings, allocation, line, log):
+    """Live recovery for this launch (jobs/lib/recovery.py), when there are spares to recover
+    with and a launch line the supervisor builds (a replacement runs its line on a spare)."""
+    if not (settings.spares and settings.live_recovery and line.built
+            and allocation.per_node and len(allocation.launch_nodes) > 1):
+        return None
+    return recovery.LiveLaunch(allocation, line, log, settings.heartbeat_s)
 
 
 def restart(settings, attempt, allocation, blamed):

@@ -21,7 +21,17 @@ The progress events, each {"event": ..., "step": ..., "time": time.time()} plus 
     checkpoint      training was held up stall_s seconds by a checkpoint
     end             training is over (evaluation may follow); stopped: it ended at a stop signal
 
+
 Every launch also gets XSCALE_LAUNCH_T, when the supervisor launched it (docs/STARTUP.md).
+
+Live recovery (docs/FAILURES.md): with spares, the supervisor's coordinator (jobs/lib/recovery.py)
+and the ranks (xscale.recovery) speak over TCP, one JSON object a line, {"kind": KIND, ...}.
+A rank says HELLO (rank, node, pid, generation), then LIVE once its loop can re-enter, BEAT every
+few seconds, BROKEN when a collective of its generation failed, LEFT once it left that group,
+STORE (the address of the store it hosts when asked), JOINED, and BYE at its end, or FAILED
+(an error of its own). The coordinator says ABORT (leave generation G now), HOST_STORE (host
+the next generation's store), JOIN (form generation G on that store; state from rank SOURCE)
+and FALLBACK (no live recovery: exit, the usual restart or requeue follows).
 
 Standard library only, and Python 3.6: the host's programs load this file by path
 (jobs/lib/shared.py), where the package itself does not import.
@@ -35,6 +45,11 @@ import time
 FR_DIR_VAR = "XSCALE_FR_DIR"
 PROGRESS_VAR = "XSCALE_PROGRESS"
 LAUNCH_TIME_VAR = "XSCALE_LAUNCH_T"
+RECOVERY_VAR = "XSCALE_RECOVERY"  # the coordinator's host:port, with spares
+# A replacement's: the generation it joins (no rendezvous of its own), and the node it stands
+# in for, NODE_RANK/NNODES (run.sh numbers its ranks from it).
+JOIN_VAR = "XSCALE_RECOVERY_JOIN"
+REPLACEMENT_VAR = "XSCALE_REPLACEMENT"
 
 # A launch's files, after its log's name (without .log).
 FLIGHT_RECORDS = ".fr"
@@ -46,6 +61,29 @@ RELEASED = "released"  # FLIGHT_RECORDS/released
 
 # Progress events.
 FIRST_STEP, INTERVAL, CHECKPOINT, END = "first_step", "interval", "checkpoint", "end"
+
+# Live recovery's messages: a rank's, then the coordinator's.
+HELLO, LIVE, BEAT, BROKEN, LEFT, STORE, JOINED, BYE, FAILED = (
+    "hello", "live", "beat", "broken", "left", "store", "joined", "bye", "failed")
+ABORT, HOST_STORE, JOIN, FALLBACK = "abort", "host_store", "join", "fallback"
+
+
+def message(kind, **fields):
+    """One message of live recovery, as the bytes of its line."""
+    return (json.dumps(dict(fields, kind=kind)) + "\n").encode()
+
+
+def read_messages(stream):
+    """The messages on STREAM (a socket's file, in binary), until it closes; a line that does
+    not parse ends it too (its sender is broken)."""
+    try:
+        for line in stream:
+            try:
+                yield json.loads(line.decode())
+            except ValueError:
+                return
+    except OSError:  # reset: its process was killed
+        return
 
 
 def launch_file(log, suffix):

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from xscale import settings
+from xscale import recovery, settings
 from xscale.lifecycle import UserError
 
 DEFAULT_TIMEOUT_S = settings.setting("XSCALE_TIMEOUT_S").default
@@ -284,6 +284,11 @@ def init_distributed(
     use_device(device)
     if not dist.is_initialized():
         register_backend(backend)
+        recovery.connect(where.rank, where.world_size)  # with spares (xscale.recovery)
+        if recovery.joining():  # a replacement: the group is the survivors'
+            recovery.build_ddp_without_start_sync()
+            recovery.join_group(backend, where.rank, where.world_size, timeout, device)
+            return DistContext.at(where, device, backend)
         options: dict = {"backend": backend, "rank": where.rank,
                          "world_size": where.world_size, "timeout": timeout, **rendezvous}
         if backend in EAGER_INIT_BACKENDS:

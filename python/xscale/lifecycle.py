@@ -65,6 +65,16 @@ def on_failure(hook: Callable[[BaseException], None]) -> None:
         _failure_hooks.append(hook)
 
 
+_exit_hooks: list[Callable[[], None]] = []
+
+
+def on_exit(hook: Callable[[], None]) -> None:
+    """Have `hook()` run as the process leaves through exit_cleanly (whose os._exit skips
+    atexit): live recovery's goodbye to the supervisor."""
+    if hook not in _exit_hooks:
+        _exit_hooks.append(hook)
+
+
 def run(main: Callable[[], int | None], prog: str) -> int:
     """Call `main()` and return its exit status; a UserError becomes one line on stderr and 2.
 
@@ -260,6 +270,8 @@ def end_children() -> None:
 def exit_cleanly(code: int = 0) -> NoReturn:
     """Barrier, destroy_process_group(), end the workers, flush stdout/stderr, os._exit(code)."""
     code = close_process_group(code)
+    for hook in _exit_hooks:
+        hook()
     end_children()
     flush_output()
     os._exit(code)

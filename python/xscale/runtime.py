@@ -51,6 +51,7 @@ from xscale import (
     lifecycle,
     profiling,
     progress,
+    recovery,
     runlog,
     settings,
     startup,
@@ -292,10 +293,16 @@ class Loop:
         self.tally.clock.watch(model)
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+        # With spares, live recovery (xscale.recovery); a replacement takes its state from the
+        # survivors, not from a checkpoint.
+        self.recovery = recovery.for_loop(model, optimizer, accumulation, ctx.backend,
+                                          ctx.device)
+        joining = self.recovery is not None and recovery.joining()
         self.save_fn, resumed = save, resumed_step
         if save is None:
             self.save_fn, resumed = _saver_and_resume(ctx, model, optimizer, scaler,
-                                                      self.output_dir, keep_checkpoints, resume,
+                                                      self.output_dir, keep_checkpoints,
+                                                      resume and not joining,
                                                       checkpoint_fields or {})
         self.start_step = self.step = resumed or 0
         self.epoch = self.start_step // self.per_epoch
@@ -303,11 +310,17 @@ class Loop:
         self.stopped = False
         self._micro = 0  # micro-batches of the optimizer step under way
         self._voted_at: int | None = None
+        self._redo = False  # the step was dropped by a recovery: its batch comes again
+        self._log_from: int | None = None
+        if joining:
+            self._take_position(self.recovery.receive(self._position()))
         self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
         tensorboard_dir = tensorboard_dir or (self.output_dir and self.output_dir / "tb")
         self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=self.start_step,
                                    total_steps=self.end_step, log_every=log_every,
                                    tensorboard_dir=tensorboard_dir, desc=self.trainer)
+        if self._log_from is not None:  # a replacement votes at the survivors' steps
+            self.log.start_step = self._log_from
         self.window = profiling.window_from_env(ctx.rank, ctx.device)
         self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
                                            say=self.log.message)
@@ -351,7 +364,12 @@ class Loop:
             self.tally.clock.waited_for_data(waited)
             self.window.step(step_index)
             self.epoch = epoch
+            self._sync_buffers()
             yield epoch, batch
+            while self._redo:  # a recovery dropped the step: the same batch again
+                self._redo = False
+                self._sync_buffers()
+                yield epoch, batch
             if self.stopped:
                 return
 
@@ -370,6 +388,9 @@ class Loop:
     def record(self, loss: torch.Tensor, samples: int, tokens: int = 0) -> None:
         """After each micro-batch: its loss and size (samples, tokens for language models);
         at a step's end the checkpoint cadence and, every `log_every` steps, the stop vote."""
+        if self.recovery is not None and self.recovery.broken:
+            self._recover(redo=True)  # the step changed nothing: it is done again
+            return
         self.log.add(self.step, loss, samples)
         self._micro += 1
         if self._micro < self.accumulation:
@@ -403,7 +424,13 @@ class Loop:
 
     def _vote(self) -> None:
         self._voted_at = self.step
-        stop, shared = vote(self.log.flush, self.stragglers, **self._propose_interval())
+        proposal = self._propose_interval()
+        while True:
+            try:
+                stop, shared = vote(self.log.flush, self.stragglers, **proposal)
+                break
+            except recovery.GroupBroken:
+                self._recover(redo=False)  # every rank had done the step: vote again
         if "every" in shared:  # rank 0's proposal; the others added 0
             self.checkpoint_every, self.auto_every = int(shared["every"]), False
         if stop:
@@ -420,6 +447,42 @@ class Loop:
         self._wait_for_writes()
         return self.tally.auto_interval("--checkpoint-every", step_s,
                                         getattr(self.save_fn, "last_write_s", 0.0))
+
+    # ---- live recovery (xscale.recovery) ----------------------------------------------------
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers to every rank before the forward (DDP's own broadcast, which would
+        raise in the script's lines, is off under live recovery)."""
+        while self.recovery is not None and self.recovery.buffers:
+            try:
+                self.recovery.sync_buffers()
+                return
+            except recovery.GroupBroken:
+                self._recover(redo=False)
+
+    def _recover(self, redo: bool) -> None:
+        """Leave the broken group and train on in the next, the lost node's ranks replaced;
+        REDO: the step under way was dropped and its batch comes again."""
+        seconds = self.recovery.recover(self._position())
+        self.stragglers.nodes = gather_to_rank0(stragglers.node_name())  # a node changed
+        self._redo = redo
+        self.message(f"{self.prog}: live recovery: training goes on at step {self.step}, "
+                     f"{seconds:.1f} s after this rank left the broken group")
+
+    def _position(self) -> dict[str, Any]:
+        """Where the loop is, for a replacement (the source rank's is the one kept)."""
+        return {"step": self.step, "log_from": getattr(self, "log", None) and self.log.start_step,
+                "saved_step": self.saved_step,
+                "saved_path": None if self.saved_path is None else str(self.saved_path),
+                "checkpoint_every": self.checkpoint_every, "auto_every": self.auto_every}
+
+    def _take_position(self, position: dict[str, Any]) -> None:
+        self.start_step = self.step = position["step"]
+        self.epoch = self.step // self.per_epoch
+        self.saved_step, self.saved_path = position["saved_step"], position["saved_path"]
+        self.checkpoint_every = position["checkpoint_every"]
+        self.auto_every = position["auto_every"]
+        self._log_from = position["log_from"]
 
     def _save(self) -> None:
         """The checkpoint of this step, once (a collective save: every rank waits as long as
@@ -445,6 +508,8 @@ class Loop:
         """Stop the clocks, take the last vote if the last step had none, save the last
         checkpoint, and say so on rank 0 after a stop. Every rank calls it."""
         self.meter.stop()
+        if self.recovery is not None:
+            self.recovery.link.close()  # a failure from here on ends the launch as before
         self.window.close()
         if self._voted_at != self.step:
             self._vote()

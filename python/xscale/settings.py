@@ -257,6 +257,13 @@ SETTINGS = (
             "job's nodes)", JOBS),
     Setting("XSCALE_MAX_RESTARTS", whole(0), 3,
             "restarts on spare nodes inside the allocation, per attempt of the job", JOBS),
+    Setting("XSCALE_LIVE_RECOVERY", flag(), True,
+            "with spares: a failed node's ranks are replaced from a spare while the others "
+            "keep their processes and train on (docs/FAILURES.md); 0: restart the whole launch",
+            JOBS),
+    Setting("XSCALE_HEARTBEAT_S", number(above=0, unit="seconds"), 30.0,
+            "with live recovery: a rank silent this long is lost with its node (a frozen node)",
+            JOBS),
     # -- staging
     Setting("XSCALE_STAGE_DEST", PATH, None,
             "the node-local directory jobs/lib/stage unpacks into (--dest wins)", STAGING,
@@ -297,6 +304,14 @@ SETTINGS = (
     Setting("XSCALE_PROGRESS", PATH, None,
             "the supervisor's: the file rank 0 notes its progress in, for the goodput "
             "ledger", XSCALE),
+    Setting("XSCALE_RECOVERY", text("host:port"), None,
+            "the supervisor's, with spares: where its live-recovery coordinator listens",
+            XSCALE),
+    Setting("XSCALE_RECOVERY_JOIN", whole(1), None,
+            "the supervisor's, on a replacement: the generation of the group it joins", XSCALE),
+    Setting("XSCALE_REPLACEMENT", text("NODE_RANK/NNODES"), None,
+            "the supervisor's, on a replacement: the lost node it stands in for (run.sh numbers "
+            "its ranks from it)", XSCALE),
     Setting("XSCALE_LAUNCH_T", CLOCK, None,
             "the supervisor's (Aurora: jobs/lib/aurora.sh): when it launched the step",
             XSCALE),

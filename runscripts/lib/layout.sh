@@ -119,10 +119,28 @@ xs_derive_layout() {
     XS_SAID[NNODES]=PBS_NODEFILE
   fi
   : "${XS_NNODES:=$(((XS_WORLD_SIZE + XS_LOCAL_WORLD_SIZE - 1) / XS_LOCAL_WORLD_SIZE))}"
+  xs_replacement_layout
   (( XS_RANK < XS_WORLD_SIZE )) \
     || xs_die "rank $XS_RANK is not below world size $XS_WORLD_SIZE (launcher: $XS_LAUNCHER)"
   (( XS_LOCAL_RANK < XS_LOCAL_WORLD_SIZE )) \
     || xs_die "local rank $XS_LOCAL_RANK is not below local world size $XS_LOCAL_WORLD_SIZE (launcher: $XS_LAUNCHER)"
+}
+
+# A step that live recovery launched on a spare node (jobs/lib/recovery.py) stands in for node
+# NODE_RANK of NNODES of the training (XSCALE_REPLACEMENT=NODE_RANK/NNODES): its ranks take that
+# node's numbers in the training's world, not their own step's.
+xs_replacement_layout() {
+  local given=${XSCALE_REPLACEMENT:-} name
+  [[ -n $given ]] || return 0
+  [[ $given =~ ^([0-9]{1,6})/([0-9]{1,6})$ ]] \
+    || xs_die "XSCALE_REPLACEMENT='$given' is not NODE_RANK/NNODES"
+  XS_NODE_RANK=$((10#${BASH_REMATCH[1]})) XS_NNODES=$((10#${BASH_REMATCH[2]}))
+  (( XS_NODE_RANK < XS_NNODES )) || xs_die "XSCALE_REPLACEMENT='$given': no node $XS_NODE_RANK of $XS_NNODES"
+  XS_RANK=$((XS_NODE_RANK * XS_LOCAL_WORLD_SIZE + XS_LOCAL_RANK))
+  XS_WORLD_SIZE=$((XS_NNODES * XS_LOCAL_WORLD_SIZE))
+  for name in RANK WORLD_SIZE NODE_RANK NNODES; do
+    XS_SAID[$name]=XSCALE_REPLACEMENT
+  done
 }
 
 xs_count_pbs_nodes() {

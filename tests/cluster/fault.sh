@@ -23,6 +23,8 @@ Usage: tests/cluster/fault.sh VERB NODE [ARGS]
   free-tmp NODE        remove what fill-tmp wrote
   kill-slurmd NODE     SIGKILL NODE's slurmd; its running tasks live on, as after a daemon crash
   crash NODE           SIGKILL every process on NODE (slurmd, job steps, ranks): a node failure
+  freeze NODE          SIGSTOP every process on NODE (slurmd, job steps, ranks): a node that
+                       hangs and says nothing (no connection closes), until heal
   start-slurmd NODE    start NODE's slurmd again (after kill-slurmd or crash)
   slow NODE [PERCENT]  stop NODE's processes (its slurmd spared) PERCENT% of every 2 ms, default
                        60, until heal: a node that slows every step down and never fails
@@ -113,6 +115,14 @@ crash() {
   return 0
 }
 
+# SIGSTOP (freeze) or SIGCONT (thaw) every process in NODE's network namespace.
+signal_node() {
+  local -a pids
+  mapfile -t pids < <(ip netns pids "$1")
+  (( ${#pids[@]} )) && kill "-$2" "${pids[@]}" 2>/dev/null
+  return 0
+}
+
 # slow NODE PERCENT: tests/cluster/throttle.py, detached, its pid in the node's directory.
 slow() {
   local node=$1 percent=${2:-60} slurmd=""
@@ -150,6 +160,7 @@ heal() {
   (( $# )) || set -- "${XSC_NODES[@]}"
   for node in "$@"; do
     need_node "$node"
+    signal_node "$node" CONT  # a frozen node's processes, before anything else is done
     unslow "$node"
     continue_all "$node"
     xsc_end_slow_reads "$node"
@@ -194,6 +205,7 @@ main() {
     free-tmp) need_node "${1:-}"; free_tmp "$1" ;;
     kill-slurmd) need_node "${1:-}"; kill_slurmd "$1" ;;
     crash) need_node "${1:-}"; crash "$1" ;;
+    freeze) need_node "${1:-}"; signal_node "$1" STOP ;;
     start-slurmd) need_node "${1:-}"; xsc_start_slurmd "$1" ;;
     slow) need_node "${1:-}"; slow "$1" "${2:-60}" ;;
     slow-reads) need_node "${1:-}"; slow_reads "$1" "${2:-}" "${3:-}" ;;
