@@ -10,6 +10,9 @@ the step at once on a spare while one is left (RELAUNCH, then the start-up again
 failure, a failure with no spare left, and the time limit (WALL_HOURS, after a checkpoint) put
 the job back in the queue: Slurm's hold, the wait in the queue, a new allocation with all its
 spares again. The work since the last checkpoint is lost at each failure. Idle spares fail too.
+With --live (live recovery, docs/FAILURES.md) a failure blamed on a node, with a spare left,
+costs only its noticing, the group's re-forming, the state's transfer and the replacement's
+start: the step goes on, nothing is lost.
 
 Out: the effective training time ratio (training / wall-clock time, queue waits included) and
 the goodput per node-hour (training node-hours / allocated node-hours, spares included: a spare
@@ -42,6 +45,16 @@ class Assumptions:
     queue_s: float = HOUR
     wall_s: float = 2 * DAY  # LUMI standard-g's longest job
     work_s: float = 30 * DAY
+    # Live recovery (docs/FAILURES.md): a node failure with a spare left costs LIVE_S and no
+    # lost work, no start-up of the whole job, no requeue.
+    live: bool = False
+    notice_s: float = 30.0  # the heartbeat window: a frozen node (a crashed one is seen at once)
+    reform_s: float = 0.5  # nvidia-resiliency-ext's group rebuild at 16k ranks
+    transfer_s: float = 0.7  # 16 GB of state (1B parameters with Adam) at 25 GB/s
+    replacement_s: float = 60.0  # one node's ranks started: its container, `import torch`
+
+    def live_s(self) -> float:
+        return self.notice_s + self.reform_s + self.transfer_s + self.replacement_s
 
     def mean_time_between_failures(self) -> float:
         return HOUR / (self.failures_per_node_hour * self.nodes)
@@ -59,21 +72,25 @@ class Campaign:
     trained: float = 0.0
 
 
-def step(rng: random.Random, model: Assumptions, budget: float, left: float):
-    """One training step, from its launch: (seconds it ran, training it saved, how it ended:
-    'failure', 'limit' or 'done'). It ends at the first failure (during its start-up too), when
-    BUDGET (the allocation's time left) runs out, or with LEFT seconds of training done."""
+def step(rng: random.Random, model: Assumptions, budget: float, left: float,
+         startup_s: float | None = None):
+    """One training step, from its launch: (seconds it ran, training it saved, training done up
+    to its end, how it ended: 'failure', 'limit' or 'done'). It ends at the first failure
+    (during its start-up too), when BUDGET (the allocation's time left) runs out, or with LEFT
+    seconds of training done. STARTUP_S: the start-up (0 where live recovery goes on)."""
+    startup_s = model.startup_s if startup_s is None else startup_s
     interval = model.checkpoint_interval()
     period = interval + model.checkpoint_s
     failure = rng.expovariate(1 / model.mean_time_between_failures())
-    finish = model.startup_s + (left // interval) * period + left % interval
+    finish = startup_s + (left // interval) * period + left % interval
     ran = min(failure, budget, finish)
-    trained_for = max(ran - model.startup_s, 0.0)
+    trained_for = max(ran - startup_s, 0.0)
+    done = min(trained_for - (trained_for // period) * model.checkpoint_s, left)
     if ran == finish:
-        return ran, left, "done"
+        return ran, left, left, "done"
     if ran == budget:  # the time limit's warning: a checkpoint of everything done, then requeue
-        return ran, min(trained_for - (trained_for // period) * model.checkpoint_s, left), "limit"
-    return ran, (trained_for // period) * interval, "failure"
+        return ran, done, done, "limit"
+    return ran, (trained_for // period) * interval, done, "failure"
 
 
 def allocation(rng: random.Random, model: Assumptions, spares: int, campaign: Campaign) -> None:
@@ -82,19 +99,29 @@ def allocation(rng: random.Random, model: Assumptions, spares: int, campaign: Ca
     hours = model.failures_per_node_hour / HOUR
     spares_fail_at = [rng.expovariate(hours) for _ in range(spares)]
     used = model.setup_s  # staging reaches the spares too: a restart needs none
+    startup_s = model.startup_s
     while True:
-        ran, saved, ending = step(rng, model, max(model.wall_s - used, 0.0),
-                                  model.work_s - campaign.trained)
-        campaign.trained += saved
+        ran, saved, done, ending = step(rng, model, max(model.wall_s - used, 0.0),
+                                        model.work_s - campaign.trained, startup_s)
         used += ran
         if ending != "failure":
+            campaign.trained += saved
             break
-        used += model.detect_s
         healthy = [index for index, fails in enumerate(spares_fail_at) if fails > used]
-        if not healthy or rng.random() >= model.node_share:
+        blamed = bool(healthy) and rng.random() < model.node_share  # drawn as it always was
+        if model.live and healthy and blamed:  # nothing lost; the step goes on
+            campaign.trained += done
+            del spares_fail_at[healthy[0]]
+            used += model.live_s()
+            startup_s = 0.0
+            continue
+        campaign.trained += saved
+        used += model.detect_s
+        if not healthy or not blamed:
             break
         del spares_fail_at[healthy[0]]
         used += model.relaunch_s
+        startup_s = model.startup_s
     campaign.wall += used
     campaign.node_seconds += used * (model.nodes + spares)
     if ending != "done":
@@ -188,6 +215,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m xscale.goodput_mo
         kind = int if field == "nodes" else float
         parser.add_argument("--" + field.replace("_", "-"), type=kind,
                             default=getattr(defaults, field), help=help_text)
+    parser.add_argument("--live", action="store_true",
+                        help="live recovery: a node failure with a spare left costs "
+                             "--notice-s and the replacement's start, nothing else")
+    parser.add_argument("--notice-s", type=float, default=defaults.notice_s,
+                        help="with --live: seconds until a failure is noticed (a frozen node: "
+                             "the heartbeat window)")
+    parser.add_argument("--replacement-s", type=float, default=defaults.replacement_s,
+                        help="with --live: seconds for a replacement node's ranks to start")
     parser.add_argument("--runs", type=int, default=40, help="campaigns to average")
     parser.add_argument("--table", action="store_true", help="docs/GOODPUT.md's table")
     args = parser.parse_args(argv)
@@ -195,11 +230,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m xscale.goodput_mo
         print(table(args.runs))
         return 0
     if args.nodes < 1 or args.runs < 1 or min(args.checkpoint_s, args.startup_s, args.detect_s,
-                                               args.setup_s, args.queue_s) < 0:
+                                               args.setup_s, args.queue_s, args.notice_s,
+                                               args.replacement_s) < 0:
         parser.error("--nodes and --runs must be at least 1, the seconds not negative")
     model = replace(defaults, nodes=args.nodes, checkpoint_s=args.checkpoint_s,
                     startup_s=args.startup_s, detect_s=args.detect_s, setup_s=args.setup_s,
-                    queue_s=args.queue_s)
+                    queue_s=args.queue_s, live=args.live, notice_s=args.notice_s,
+                    replacement_s=args.replacement_s)
     for spares, (ratio, per_node_hour) in compare_spares(model, args.runs).items():
         print(f"{spares:3d} spares: {ratio:6.1%} of the wall-clock time trains, "
               f"{per_node_hour:6.1%} of the node-hours")
