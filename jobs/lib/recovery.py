@@ -159,7 +159,7 @@ class Coordinator:
             self._failed("rank %d's collective failed (%s)" % (peer.rank, received.get("why")),
                          received.get("generation"))
         elif kind == contract.FAILED:
-            self._fall_back("rank %d on %s failed on its own: %s"
+            self.fall_back("rank %d on %s failed on its own: %s"
                             % (peer.rank, peer.node, received.get("why")))
 
     def _closed(self, peer):
@@ -198,7 +198,7 @@ class Coordinator:
             failed_again = self.recovering
             self.recovering = True
         if failed_again:
-            self._fall_back("%s during the recovery" % why)
+            self.fall_back("%s during the recovery" % why)
             return
         threading.Thread(target=self._recover, args=(why,), daemon=True).start()
 
@@ -213,17 +213,17 @@ class Coordinator:
                 peer.lost = True
         refusal = self._refusal(survivors, lost)
         if refusal:
-            self._fall_back(refusal)
+            self.fall_back(refusal)
             return
         lost_nodes = sorted({peer.node for peer in lost})
         spares = self.replace(lost_nodes, generation + 1)
         if not spares:
-            self._fall_back("no spare node is left for %s" % hostlist.compress(lost_nodes))
+            self.fall_back("no spare node is left for %s" % hostlist.compress(lost_nodes))
             return
         launched = self.now()
         store = self._host_store(survivors[0], generation + 1)
         if store is None:
-            self._fall_back("%s did not host the new group's store" % survivors[0])
+            self.fall_back("%s did not host the new group's store" % survivors[0])
             return
         joined = self._form(generation + 1, store, survivors[0].rank, spares)
         if joined is None:
@@ -296,12 +296,12 @@ class Coordinator:
                 timeout=JOIN_TIMEOUT_S)
             self.join = None
         if not done:
-            self._fall_back("the replacement ranks on %s did not join within %.0f s"
+            self.fall_back("the replacement ranks on %s did not join within %.0f s"
                             % (hostlist.compress(spares), JOIN_TIMEOUT_S))
             return None
         return self.now()
 
-    def _fall_back(self, why):
+    def fall_back(self, why):
         with self.changed:
             if self.fallen_back:
                 return
@@ -376,7 +376,17 @@ class LiveLaunch:
         log = open(self.log, "ab")
         threading.Thread(target=launches.copy_output, args=(proc.stdout, log),
                          daemon=True).start()
+        threading.Thread(target=self._watch_replacement, args=(proc, env), daemon=True).start()
         return proc
+
+    def _watch_replacement(self, proc, env):
+        """A replacement that ends before its ranks joined (no image there, no space, a bad
+        node) is a fallback at once, not after JOIN_TIMEOUT_S."""
+        status = proc.wait()
+        if status != 0 and self.coordinator.recovering:
+            self.coordinator.fall_back("the replacement for node %s ended with status %d "
+                                       "before its ranks joined"
+                                       % (env[contract.REPLACEMENT_VAR], status))
 
     def started(self, proc):
         self.main = proc

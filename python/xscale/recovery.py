@@ -159,8 +159,14 @@ def connect(rank: int, world_size: int, environ: dict | None = None) -> Link | N
     if not address or world_size < 2:
         return None
     generation = int(env.get(contract.JOIN_VAR) or 0)
-    _link = Link(address, rank, world_size, generation,
-                 settings.value("XSCALE_HEARTBEAT_S", env))
+    try:
+        _link = Link(address, rank, world_size, generation,
+                     settings.value("XSCALE_HEARTBEAT_S", env))
+    except OSError as error:  # the batch host unreachable from here: train, without it
+        print(f"xscale: warning: rank {rank}: no live recovery: the supervisor's coordinator "
+              f"at {address} cannot be reached ({error.strerror or error})", file=sys.stderr,
+              flush=True)
+        return None
     lifecycle.on_failure(_link.failed)
     lifecycle.on_exit(_link.close)  # the clean exit's os._exit skips atexit
     atexit.register(_link.close)
@@ -339,9 +345,9 @@ class Recovery:
 
     # ---- the recovery ---------------------------------------------------------------------
 
-    def recover(self, loop_state: dict[str, Any]) -> float:
+    def recover(self, loop_state: dict[str, Any]) -> tuple[float, float]:
         """Leave the broken group, form the next, and send (from the lowest surviving rank) or
-        take the state; the seconds it took."""
+        take the state; the seconds it took, and those of the state's transfer."""
         global _received
         started = time.perf_counter()
         generation = self.link.generation
@@ -350,12 +356,14 @@ class Recovery:
         join_group(self.backend, dist_rank(), self.link.world_size, collective_timeout(),
                    self.device)
         self.model._update_process_group(dist.group.WORLD)
+        formed = time.perf_counter()
         self.transfer(loop_state)
         _received = True
         self.link.broken.clear()
         self.layout_free = True
         self.link.send(contract.JOINED, generation=self.link.generation)
-        return time.perf_counter() - started
+        done = time.perf_counter()
+        return done - started, done - formed
 
     def receive(self, loop_state: dict[str, Any]) -> dict[str, Any]:
         """A replacement's state, from the survivors (in Loop's constructor)."""

@@ -463,11 +463,12 @@ class Loop:
     def _recover(self, redo: bool) -> None:
         """Leave the broken group and train on in the next, the lost node's ranks replaced;
         REDO: the step under way was dropped and its batch comes again."""
-        seconds = self.recovery.recover(self._position())
+        seconds, transfer_s = self.recovery.recover(self._position())
         self.stragglers.nodes = gather_to_rank0(stragglers.node_name())  # a node changed
         self._redo = redo
         self.message(f"{self.prog}: live recovery: training goes on at step {self.step}, "
-                     f"{seconds:.1f} s after this rank left the broken group")
+                     f"{seconds:.1f} s after this rank left the broken group (the state's "
+                     f"transfer: {transfer_s:.2f} s)")
 
     def _position(self) -> dict[str, Any]:
         """Where the loop is, for a replacement (the source rank's is the one kept)."""
