@@ -602,8 +602,9 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_falls_back_to_the_re
     assert f"xscale: retry 1 of 3: requeueing job {job_id} without {lost}" in text, text[-4000:]
     assert (excluded, restarts) == (lost, "1")
     ledger = goodput_of(text)
+    assert ledger["recovery_s"] == pytest.approx(recovery["joined_s"]), ledger
     goodput_line = next(line for line in text.splitlines() if line.startswith("xscale: goodput:"))
-    assert goodput_line == "xscale: goodput: " + ledger["text"]
+    assert goodput_line == "xscale: goodput: " + ledger["text"] and "live recovery" in goodput_line
     print(f"{nodes[1]} crashed: the group re-formed {recovery['joined_s']:.1f} s after the "
           f"failure was noticed (left {recovery['left_s']:.2f} s); a logged step "
           f"{first_after - crashed_at:.1f} s after the crash; {goodput_line}")

@@ -239,7 +239,7 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, t
     healthy ranks are the processes they were, and nothing was taken for a failure before (the
     auto interval's checkpoints included)."""
     out, output = tmp_path / "out", tmp_path / "job.out"
-    job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "60", "--output-dir",
+    job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "30", "--output-dir",
                             str(out), output=output,
                             sbatch_options=("--nodes=4", "--ntasks-per-node=1", "--no-kill"),
                             env={"OUTPUT_DIR": str(out), "XSCALE_SPARES": "1",
@@ -267,5 +267,5 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, t
     assert f"xscale: live recovery: {nodes[3]} in place of {frozen}" in text
     assert all(after[rank] == before[rank] for rank in (0, 2)), (before, after)
     summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
-    assert summary["steps"] == 60 * (1024 // 3 // 32) and summary["world_size"] == 3, summary
+    assert summary["steps"] == 30 * (1024 // 3 // 32) and summary["world_size"] == 3, summary
     print(f"{frozen} frozen: replaced live {recovered_s:.1f} s later (XSCALE_HEARTBEAT_S=6)")

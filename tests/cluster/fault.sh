@@ -24,7 +24,7 @@ Usage: tests/cluster/fault.sh VERB NODE [ARGS]
   kill-slurmd NODE     SIGKILL NODE's slurmd; its running tasks live on, as after a daemon crash
   crash NODE           SIGKILL every process on NODE (slurmd, job steps, ranks): a node failure
   freeze NODE          SIGSTOP every process on NODE (slurmd, job steps, ranks): a node that
-                       hangs and says nothing (no connection closes), until heal
+                       hangs and says nothing (no connection closes); heal reboots it
   start-slurmd NODE    start NODE's slurmd again (after kill-slurmd or crash)
   slow NODE [PERCENT]  stop NODE's processes (its slurmd spared) PERCENT% of every 2 ms, default
                        60, until heal: a node that slows every step down and never fails
@@ -115,12 +115,29 @@ crash() {
   return 0
 }
 
-# SIGSTOP (freeze) or SIGCONT (thaw) every process in NODE's network namespace.
-signal_node() {
+# SIGSTOP every process in NODE's network namespace, and note it: heal reboots a frozen node (its
+# processes killed, its slurmd started afresh), as a site reboots a hung one. A daemon merely
+# continued after minutes stopped came back half-healthy on the bed: the next job there failed.
+freeze() {
   local -a pids
   mapfile -t pids < <(ip netns pids "$1")
-  (( ${#pids[@]} )) && kill "-$2" "${pids[@]}" 2>/dev/null
-  return 0
+  (( ${#pids[@]} )) && kill -STOP "${pids[@]}" 2>/dev/null
+  : >"$(xsc_node_dir "$1")/frozen"
+}
+
+unfreeze() {
+  local marker
+  marker="$(xsc_node_dir "$1")/frozen"
+  [[ -e $marker ]] || return 0
+  crash "$1"
+  # Until they are gone, reaped too: heal starts slurmd only where none runs, and a dying one
+  # still counts.
+  local waited=0
+  while [[ -n $(ip netns pids "$1") ]] || xsc_alive "$(xsc_slurmd_pidfile "$1")"; do
+    (( waited++ < 100 )) || break
+    sleep 0.1
+  done
+  rm -f "$marker"
 }
 
 # slow NODE PERCENT: tests/cluster/throttle.py, detached, its pid in the node's directory.
@@ -160,7 +177,7 @@ heal() {
   (( $# )) || set -- "${XSC_NODES[@]}"
   for node in "$@"; do
     need_node "$node"
-    signal_node "$node" CONT  # a frozen node's processes, before anything else is done
+    unfreeze "$node"
     unslow "$node"
     continue_all "$node"
     xsc_end_slow_reads "$node"
@@ -205,7 +222,7 @@ main() {
     free-tmp) need_node "${1:-}"; free_tmp "$1" ;;
     kill-slurmd) need_node "${1:-}"; kill_slurmd "$1" ;;
     crash) need_node "${1:-}"; crash "$1" ;;
-    freeze) need_node "${1:-}"; signal_node "$1" STOP ;;
+    freeze) need_node "${1:-}"; freeze "$1" ;;
     start-slurmd) need_node "${1:-}"; xsc_start_slurmd "$1" ;;
     slow) need_node "${1:-}"; slow "$1" "${2:-60}" ;;
     slow-reads) need_node "${1:-}"; slow_reads "$1" "${2:-}" "${3:-}" ;;
