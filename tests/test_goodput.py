@@ -139,14 +139,27 @@ def test_the_ledger_tells_training_from_start_up_checkpoints_lost_work_and_resta
 
 
 def test_a_live_recovery_is_its_own_share_and_redoes_no_step():
-    """A launch that lost a node at t=50 and trained on, its group re-formed 2.5 s after the
+    """A launch that lost a node at t=100 and trained on, its group re-formed 2.5 s after the
     failure was noticed (jobs/lib/recovery.py's record): those seconds are not training."""
-    live = dict(RESUMED, log="live", recoveries=[{"joined_s": 2.5, "lost": ["nid002"]}])
+    live = dict(RESUMED, log="live", recoveries=[{"noticed": 100.0, "joined_s": 2.5,
+                                                  "lost": ["nid002"]}])
     run = {"started": 70.0, "ended": 125.0, "launches": [live]}
     book = goodput.ledger([run], lambda launch: PROGRESS["s2"])
     assert book["recovery_s"] == 2.5 and book["training_s"] == (120 - 90) - 2.5
     assert book["lost_steps"] == 0 and book["lost_work_s"] == 0
     assert "live recovery 4.5%" in goodput.line(book), goodput.line(book)
+
+
+def test_a_live_recovery_in_work_a_later_failure_threw_away_is_lost_work():
+    """The launch that failed after t=40 (its last checkpoint at t=30) had recovered live at
+    t=33: those seconds were thrown away with the rest, and count once, as lost work."""
+    failed = dict(FAILED, recoveries=[{"noticed": 33.0, "joined_s": 2.5, "lost": ["nid002"]}])
+    book = goodput.ledger([{"started": 0.0, "ended": 72.0, "launches": [failed]}],
+                          lambda launch: PROGRESS["s1"])
+    plain = goodput.ledger([{"started": 0.0, "ended": 72.0, "launches": [FAILED]}],
+                           lambda launch: PROGRESS["s1"])
+    assert book["recovery_s"] == 0 and book == dict(plain, recovery_s=0.0)
+    assert "live recovery" not in goodput.line(book)
 
 
 def test_a_requeue_counts_its_wait_in_the_queue_apart_from_the_allocated_time():

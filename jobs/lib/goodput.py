@@ -18,8 +18,8 @@ training was held up, the end). From them, in seconds:
                  a collective timeout, Slurm's SlurmdTimeout), and from there to the next
                  launch in the same allocation
     recovery     live recoveries (jobs/lib/recovery.py): from a failure noticed to the group
-                 re-formed with the replacement, inside a launch that trained on; no step is
-                 lost
+                 re-formed with the replacement, in training that was kept (one in work that a
+                 later failure threw away is lost work); no step is lost
     other        the rest: staging, evaluation, the script's own set-up and clean-up
     queued       not allocated: the wait in the queue after each requeue
 
@@ -47,24 +47,36 @@ SHOWN_WHEN_SPENT = ("recovery",)  # in the line only when some time went to it
 
 
 def account_launch(launch, events, next_launch):
-    """Seconds per category for one launch, and the steps its failure threw away; the time its
-    live recoveries took is taken out of its training."""
-    spent, lost = _account_launch(launch, events, next_launch)
-    recovery = sum(entry.get("joined_s", 0.0) for entry in launch.get("recoveries") or [])
-    spent["recovery"] = min(recovery, spent["training"])
-    spent["training"] -= spent["recovery"]
+    """Seconds per category for one launch, and the steps its failure threw away. The live
+    recoveries' seconds within its kept training come out of that training; one in work a
+    later failure threw away is lost work already."""
+    spent, lost, trained = _account_launch(launch, events, next_launch)
+    if trained is not None:
+        recovery = sum(_overlap(entry, trained) for entry in launch.get("recoveries") or [])
+        spent["recovery"] = min(recovery, spent["training"])
+        spent["training"] -= spent["recovery"]
     return spent, lost
 
 
+def _overlap(recovery, span):
+    """The seconds of RECOVERY (from its failure noticed to its group re-formed) in SPAN."""
+    start = recovery.get("noticed")
+    if start is None:
+        return 0.0
+    end = start + recovery.get("joined_s", 0.0)
+    return max(min(end, span[1]) - max(start, span[0]), 0.0)
+
+
 def _account_launch(launch, events, next_launch):
+    """(seconds per category, steps thrown away, the span of its kept training or None)."""
     launched, ended = launch.get("launched"), launch.get("ended")
     spent = dict.fromkeys(CATEGORIES, 0.0)
     if launched is None or ended is None:
-        return spent, 0
+        return spent, 0, None
     first = contract.first(events, contract.FIRST_STEP)
     if first is None:
         spent["startup"] = ended - launched
-        return spent, 0
+        return spent, 0, None
     spent["startup"] = first["time"] - launched
     saves = [event for event in events if event.get("event") == contract.CHECKPOINT]
     last = max(events, key=lambda event: event["time"])
@@ -74,7 +86,7 @@ def _account_launch(launch, events, next_launch):
         stalls = sum(event.get("stall_s", 0.0) for event in saves)
         spent["checkpoints"] = stalls
         spent["training"] = max(finished - first["time"] - stalls, 0.0)
-        return spent, 0
+        return spent, 0, (first["time"], finished)
     kept = saves[-1] if saves else {"time": first["time"], "step": first["step"] - 1}
     stalls = sum(event.get("stall_s", 0.0) for event in saves)
     spent["checkpoints"] = stalls
@@ -83,7 +95,7 @@ def _account_launch(launch, events, next_launch):
     spent["restarts"] = max(ended - last["time"], 0.0)
     if next_launch is not None:
         spent["restarts"] += max(next_launch - ended, 0.0)
-    return spent, max(last.get("step", 0) - kept["step"], 0)
+    return spent, max(last.get("step", 0) - kept["step"], 0), (first["time"], kept["time"])
 
 
 def ledger(attempts, progress_of):

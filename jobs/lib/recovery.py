@@ -203,7 +203,7 @@ class Coordinator:
         threading.Thread(target=self._recover, args=(why,), daemon=True).start()
 
     def _recover(self, why):
-        noticed = self.now()
+        noticed, noticed_at = self.now(), time.time()  # the records' times are wall-clock
         generation = self.generation
         say("live recovery: %s; every rank leaves generation %d" % (why, generation))
         self._send_all(contract.ABORT, generation=generation)
@@ -230,7 +230,7 @@ class Coordinator:
             return
         record = {"generation": generation + 1, "why": why, "lost": lost_nodes,
                   "spares": spares, "ranks": sorted(peer.rank for peer in lost),
-                  "noticed": noticed, "left_s": round(launched - noticed, 3),
+                  "noticed": round(noticed_at, 3), "left_s": round(launched - noticed, 3),
                   "joined_s": round(joined - noticed, 3)}
         with self.changed:
             self.recoveries.append(record)
