@@ -187,6 +187,17 @@ def test_the_rank_without_the_collective_the_others_timed_out_in_hung(tmp_path, 
     assert (hang.culprits, hang.waiters, hang.what()) == ([3], [0, 1, 2], "gloo:all_reduce #18")
 
 
+def test_a_rank_held_up_behind_a_frozen_one_is_not_named_with_it(tmp_path):
+    """Rank 3 frozen (no record); rank 2 still waited in #17 for rank 3's part when ranks 0-1
+    had gone on to #18 (a ring all-reduce ends on some ranks first): rank 3 hung, not 2."""
+    hangs = host_module("hangs")
+    records = {rank: flight_record(rank, 18, 18, TIMEOUT) for rank in range(2)}
+    records[2] = flight_record(2, 17, 17, TIMEOUT)
+    write_records(tmp_path / "fr", records)
+    hang = hangs.read_hang(str(tmp_path / "fr"), PLACEMENT, str(tmp_path / "stack-rank"))
+    assert (hang.culprits, hang.waiters, hang.what()) == ([3], [0, 1], "gloo:all_reduce #18")
+
+
 def test_nccl_records_count_from_the_first_collective_not_completed(tmp_path):
     """torch's watchdog writes a record on a timeout only, without xscale's entry."""
     hangs = host_module("hangs")

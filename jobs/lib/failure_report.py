@@ -230,9 +230,9 @@ def report_lines(log, blames, placement, failed_nodes, hang=None):
     failed_ranks = {rank for task_exit in log.exits for rank in task_exit.ranks}
     quiet = sorted(set(log.by_rank) - failed_ranks)
     lost = [rank for rank in quiet if placement.get(rank) in failed_nodes]
-    if log.node_failures:
+    if failed_nodes:
         with_ranks = f", and with it {rank_words(lost)}" if lost else ""
-        yield (f"first failure: node {', '.join(log.node_failures)} failed (srun: Node failure)"
+        yield (f"first failure: node {', '.join(failed_nodes)} failed (srun: Node failure)"
                f"{with_ranks}")
         quiet = [rank for rank in quiet if rank not in lost]
     elif hang is not None:
@@ -282,14 +282,18 @@ def hang_lines(hang, log, placement):
 
 
 def report(log_path, nodes_text, tasks_per_node, node_states, patterns, hang=None,
-           hung_before=None):
+           hung_before=None, placement=None):
     """(the report's lines, the nodes it blames) for the step whose srun --label output is in
     LOG_PATH, on the job's nodes NODES_TEXT (a hostlist) laid out as TASKS_PER_NODE
     (SLURM_TASKS_PER_NODE), NODE_STATES as `sinfo -N -h -o '%N %T'` printed them after it. HANG:
     what the flight records show (jobs/lib/hangs.py); HUNG_BEFORE: the nodes a hang named in the
-    job's attempt before this one."""
+    job's attempt before this one. PLACEMENT (rank -> node) when it is not Slurm's block
+    placement over the nodes in order: a spare that took a node's place live holds its ranks.
+    A node whose failure srun reported but that is no longer among NODES (replaced live) is
+    left out."""
     nodes = list(hostlist.expand(nodes_text))
-    placement = hostlist.block_placement(nodes, tasks_per_node)
+    if placement is None:
+        placement = hostlist.block_placement(nodes, tasks_per_node)
     with open(log_path, errors="replace") as handle:
         log = StepLog(handle)
     failed_nodes = [node for text in log.node_failures for node in job_nodes_named(text, nodes)]
@@ -297,7 +301,7 @@ def report(log_path, nodes_text, tasks_per_node, node_states, patterns, hang=Non
     blames = first_blame_per_node(node_failures + state_blames(node_states, nodes)
                                   + pattern_blames(log, patterns, nodes, placement)
                                   + repeated_hang_blames(hang, placement, hung_before or []))
-    lines = list(report_lines(log, blames, placement, set(failed_nodes), hang))
+    lines = list(report_lines(log, blames, placement, failed_nodes, hang))
     return lines, [blame.node for blame in blames]
 
 

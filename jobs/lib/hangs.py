@@ -166,8 +166,11 @@ def read_hang(fr_dir, ranks, stacks_prefix):
     group, seq = max(waiting.values(), key=lambda spot: list(waiting.values()).count(spot))
     waiters = sorted(rank for rank, spot in waiting.items() if spot == (group, seq))
     members = group_members(found[waiters[0]], group, ranks)
-    culprits = sorted(rank for rank in members if rank not in found
-                      or short_of(found[rank], group, seq))
+    # A rank that left no record explains every wait. A rank behind by a collective that timed
+    # out in it may only be held up by that one: a ring all-reduce ends on some ranks while
+    # others still wait for the silent rank's part (seen in CI with a frozen rank's node-mate).
+    silent = [rank for rank in members if rank not in found]
+    culprits = silent or [rank for rank in members if short_of(found[rank], group, seq)]
     if not culprits:
         return None
     return Hang(collective_name(found[waiters[0]], group, seq), seq, culprits, waiters,

@@ -311,7 +311,7 @@ def report_failure(settings, job_records, launch, allocation):
     try:
         lines, blamed = failure_report.report(launch.log, nodes, per_node, states,
                                               settings.patterns, hang,
-                                              job_records.last_hang_nodes())
+                                              job_records.last_hang_nodes(), placement)
     except (OSError, hostlist.HostlistError) as error:
         say("error: no report: %s" % " ".join(str(error).split()))
         return []
