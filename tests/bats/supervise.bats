@@ -58,6 +58,19 @@ JOB
   [ ! -e "$WORK/scontrol.calls" ]
 }
 
+@test "a malformed live recovery setting stops before the step runs" {
+  local setting expected
+  for setting in XSCALE_HEARTBEAT_S=abc XSCALE_HEARTBEAT_S=0 XSCALE_LIVE_RECOVERY=maybe; do
+    run env "$setting" bash -c \
+      "source '$REPO/jobs/lib/supervise.sh'; requeueable_step touch '$WORK/ran'"
+    [ "$status" -eq 2 ]
+    expected="is not a positive number of seconds"
+    [[ $setting == XSCALE_LIVE_RECOVERY=* ]] && expected="is neither 0 nor 1"
+    [ "$output" = "xscale: error: ${setting%%=*}='${setting#*=}' $expected" ]
+    [ ! -e "$WORK/ran" ]
+  done
+}
+
 @test "a malformed count of requeues, spares or restarts stops before the step runs" {
   local setting
   for setting in XSCALE_MAX_REQUEUES='1+x' XSCALE_SPARES=two XSCALE_MAX_RESTARTS=-1; do
