@@ -21,7 +21,6 @@ The progress events, each {"event": ..., "step": ..., "time": time.time()} plus 
     checkpoint      training was held up stall_s seconds by a checkpoint
     end             training is over (evaluation may follow); stopped: it ended at a stop signal
 
-
 Every launch also gets XSCALE_LAUNCH_T, when the supervisor launched it (docs/STARTUP.md).
 
 Live recovery (docs/FAILURES.md): with spares, the supervisor's coordinator (jobs/lib/recovery.py)

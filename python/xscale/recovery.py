@@ -375,12 +375,13 @@ class Recovery:
 
     def transfer(self, loop_state: dict[str, Any]) -> dict[str, Any]:
         """The source rank's model, optimizer and LOOP_STATE to every rank (a collective)."""
+        from xscale.dist import collective_device  # xscale.dist imports this module
+
         source = self.link.join["source"]
         for tensor in [*self.model.module.parameters(), *self.model.module.buffers()]:
             dist.broadcast(tensor.data, source)
         carried = [self.optimizer.state_dict(), loop_state]
-        dist.broadcast_object_list(carried, source, device=collective_device(self.backend,
-                                                                             self.device))
+        dist.broadcast_object_list(carried, source, device=collective_device())
         if dist_rank() != source:
             self.optimizer.load_state_dict(carried[0])
         return carried[1]
@@ -393,10 +394,6 @@ def dist_rank() -> int:
 def collective_timeout() -> timedelta:
     from xscale.dist import timeout_from_env
     return timeout_from_env()
-
-
-def collective_device(backend: str, device: torch.device) -> torch.device | None:
-    return device if backend == "nccl" else None
 
 
 def for_loop(model: nn.Module, optimizer: Any, accumulation: int, backend: str,
