@@ -345,9 +345,10 @@ class Recovery:
 
     # ---- the recovery ---------------------------------------------------------------------
 
-    def recover(self, loop_state: dict[str, Any]) -> tuple[float, float]:
+    def recover(self, loop_state: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
         """Leave the broken group, form the next, and send (from the lowest surviving rank) or
-        take the state; the seconds it took, and those of the state's transfer."""
+        take the state; the seconds it took, those of the state's transfer, and the source's
+        LOOP_STATE, which every rank takes (its model is the one every rank now has)."""
         global _received
         started = time.perf_counter()
         generation = self.link.generation
@@ -357,13 +358,13 @@ class Recovery:
                    self.device)
         self.model._update_process_group(dist.group.WORLD)
         formed = time.perf_counter()
-        self.transfer(loop_state)
+        source_state = self.transfer(loop_state)
         _received = True
         self.link.broken.clear()
         self.layout_free = True
         self.link.send(contract.JOINED, generation=self.link.generation)
         done = time.perf_counter()
-        return done - started, done - formed
+        return done - started, done - formed, source_state
 
     def receive(self, loop_state: dict[str, Any]) -> dict[str, Any]:
         """A replacement's state, from the survivors (in Loop's constructor)."""

@@ -425,12 +425,14 @@ class Loop:
     def _vote(self) -> None:
         self._voted_at = self.step
         proposal = self._propose_interval()
-        while True:
-            try:
-                stop, shared = vote(self.log.flush, self.stragglers, **proposal)
-                break
-            except recovery.GroupBroken:
-                self._recover(redo=False)  # every rank had done the step: vote again
+        try:
+            stop, shared = vote(self.log.flush, self.stragglers, **proposal)
+        except recovery.GroupBroken:
+            # Not voted again: a survivor may still have been in this step's all-reduce (a ring
+            # ends on some ranks first), so after the recovery every rank trains on, and votes
+            # at the next interval.
+            self._recover(redo=False)
+            return
         if "every" in shared:  # rank 0's proposal; the others added 0
             self.checkpoint_every, self.auto_every = int(shared["every"]), False
         if stop:
@@ -463,7 +465,11 @@ class Loop:
     def _recover(self, redo: bool) -> None:
         """Leave the broken group and train on in the next, the lost node's ranks replaced;
         REDO: the step under way was dropped and its batch comes again."""
-        seconds, transfer_s = self.recovery.recover(self._position())
+        seconds, transfer_s, source = self.recovery.recover(self._position())
+        # The survivors may have stopped a step apart (one finished the all-reduce the other
+        # still waited in); the model is the source's now, and so is the step count.
+        self.step = source["step"]
+        self._voted_at = None  # a vote cut short counts as none, on every rank alike
         self.stragglers.nodes = gather_to_rank0(stragglers.node_name())  # a node changed
         self._redo = redo
         self.message(f"{self.prog}: live recovery: training goes on at step {self.step}, "
