@@ -138,6 +138,19 @@ def test_the_ledger_tells_training_from_start_up_checkpoints_lost_work_and_resta
         "restarts 28.0%, other 4.0%); 5 steps redone")
 
 
+def test_a_launch_that_failed_after_its_training_finished_lost_no_training():
+    """Rank 0 noted the end at t=120, then the evaluation failed and the launch ended at t=140:
+    the training counts whole, and its tail is neither lost work nor a restart."""
+    notes = events(("first_step", 11, 90.0), ("checkpoint", 20, 119.0, 1.0))
+    notes.append({"event": "end", "step": 20, "time": 120.0, "stopped": False})
+    failed_after = dict(RESUMED, ended=140.0, status=143)
+    book = goodput.ledger([{"started": 75.0, "ended": 141.0, "launches": [failed_after]}],
+                          lambda launch: notes)
+    assert book["training_s"] == 120 - 90 - 1 and book["checkpoints_s"] == 1
+    assert (book["lost_work_s"], book["restarts_s"], book["lost_steps"]) == (0, 0, 0)
+    assert book["other_s"] == 141 - 120
+
+
 def test_a_live_recovery_is_its_own_share_and_redoes_no_step():
     """A launch that lost a node at t=100 and trained on, its group re-formed 2.5 s after the
     failure was noticed (jobs/lib/recovery.py's record): those seconds are not training."""

@@ -239,8 +239,8 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, t
     gets live recovery without a line more. A node frozen whole (every process stopped: nothing
     fails, no connection closes) is noticed by its silence (XSCALE_HEARTBEAT_S, 6 s here, 30 by
     default), the spare takes its rank, and the job completes in its one allocation; the
-    healthy ranks are the processes they were, and nothing was taken for a failure before (the
-    auto interval's checkpoints included)."""
+    healthy ranks are the processes they were, nothing was taken for a failure before (the
+    auto interval's checkpoints included), and nobody for a straggler."""
     out, output = tmp_path / "out", tmp_path / "job.out"
     job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "30", "--output-dir",
                             str(out), output=output,
@@ -269,6 +269,8 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, t
     assert len(leaves) == 1 and f"on {frozen} sent nothing for 6 s" in leaves[0], leaves
     assert f"xscale: live recovery: {nodes[3]} in place of {frozen}" in text
     assert all(after[rank] == before[rank] for rank in (0, 2)), (before, after)
+    # A healthy run of short steps names nobody, the replacement that just joined included.
+    assert "xscale: straggler:" not in text, text[-4000:]
     summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
     assert summary["steps"] == 30 * (1024 // 3 // 32) and summary["world_size"] == 3, summary
     print(f"{frozen} frozen: replaced live {recovered_s:.1f} s later (XSCALE_HEARTBEAT_S=6)")

@@ -3,29 +3,54 @@ a real gloo group and the real coordinator, here, without Slurm: each rank claim
 own (SLURMD_NODENAME), and the coordinator's replace() starts the replacement as the supervisor
 would on a spare. The test bed's runs with a crashed and a frozen node are in
 tests/test_failures.py and tests/test_own_scripts.py; this one checks what they cannot see:
-that the replicas are equal, to the last bit, after the recovery."""
+that the replicas are equal, to the last bit, after the recovery, and that every rank trained
+each step on the batch an uninterrupted run gives it, even when a survivor recovers a step
+behind the others (one held after its optimizer step until the group is known broken)."""
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from xscale import recovery as rank_side
+from xscale.data import ResumableSampler
 
 from tests.conftest import REPO
 from tests.helpers import free_port, host_module, rank_env, results_of
 
 PROGRAM = REPO / "tests" / "programs" / "live_ranks.py"
-STEPS, DIE_AT = 80, 30
+STEPS, DIE_AT, BATCH = 80, 31, 16  # DIE_AT: between two votes (live_ranks.py logs every 5)
 
 
-def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path):
+def expected_batches(rank: int) -> dict[str, float]:
+    """The digest of the batch RANK trains each step on in an uninterrupted run of
+    live_ranks.py (its data, its sampler; the run is shorter than an epoch)."""
+    inputs = torch.randn(4096, 32, generator=torch.Generator().manual_seed(0))
+    sampler = ResumableSampler(TensorDataset(inputs), 3, rank)
+    sampler.set_position(0)
+    order = list(sampler)
+    return {str(step): float(inputs[order[(step - 1) * BATCH:step * BATCH]].double().sum())
+            for step in range(1, STEPS + 1)}
+
+
+# The rank held a step behind: the source of the state (the lowest survivor), or another.
+@pytest.mark.parametrize("held", [0, 1], ids=["source-behind", "survivor-behind"])
+def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, held: int):
     recovery = host_module("recovery")
     port, started = free_port(), {}
 
     def env(rank: int, node: str, **extra: str) -> dict[str, str]:
         return rank_env(rank, 3, port, SLURMD_NODENAME=node, MAX_STEPS=str(STEPS),
                         DIE_AT=str(DIE_AT), DIE_RANK="2", DIE_HOW="kill",
-                        XSCALE_RECOVERY=coordinator.address, **extra)
+                        HOLD_RANK=str(held), XSCALE_RECOVERY=coordinator.address, **extra)
 
     def start(rank: int, node: str, **extra: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path)],
@@ -56,7 +81,99 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path):
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
         (0, 0, STEPS), (1, 0, STEPS), (2, DIE_AT, STEPS)], records
     assert len({r["digest"] for r in records}) == 1, records
+    # The same position on every rank after the recovery: each step's batch is the one an
+    # uninterrupted run draws there (a survivor a step behind drew one batch too many before).
+    for record in records:
+        expected = expected_batches(record["rank"])
+        assert record["trained"] == {str(step): expected[str(step)] for step in
+                                     range(record["started_at"] + 1, STEPS + 1)}, record["rank"]
     (entry,) = coordinator.saved()
     assert (entry["lost"], entry["spares"], entry["ranks"]) == (["n2"], ["n3"], [2]), entry
-    assert "training goes on at step 30" in runs[0][1] + runs[0][0], runs[0]
+    assert f"training goes on at step {DIE_AT}" in runs[0][1] + runs[0][0], runs[0]
     assert coordinator.finished(wait_s=5.0)
+
+
+def test_a_loop_live_recovery_cannot_serve_falls_back_with_its_reason_not_no_survivor():
+    """Ranks that said at their start why live recovery cannot serve them (here: a model of the
+    script's own DDP class, as LUMI's container test has): when one dies, the coordinator falls
+    back at once with those words, not with "no rank survived" after the leave window."""
+    recovery = host_module("recovery")
+    gave_up = threading.Event()
+    reasons: list[str] = []
+
+    def give_up(why: str) -> None:
+        reasons.append(why)
+        gave_up.set()
+
+    coordinator = recovery.Coordinator(2, lambda nodes, generation: ["n9"], give_up,
+                                       heartbeat_s=30.0)
+    coordinator.start()
+    port = int(coordinator.address.rsplit(":", 1)[1])
+    ranks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+    try:
+        why = "the loop's model is a DistributedDataParallel of the script's own"
+        for rank, connection in enumerate(ranks):
+            for message in ({"kind": "hello", "rank": rank, "node": f"n{rank}", "pid": rank,
+                             "generation": 0}, {"kind": "not_live", "why": why}):
+                connection.sendall((json.dumps(message) + "\n").encode())
+        connection = ranks.pop()
+        connection.close()  # rank 1's process died
+        assert gave_up.wait(timeout=10)
+    finally:
+        coordinator.stop()
+        for connection in ranks:
+            connection.close()
+    assert reasons == [f"rank 1 on n1 (pid 1) is gone; rank 0 on n0 cannot be recovered live: "
+                       f"{why}"], reasons
+
+
+def test_a_loop_without_torch_ddp_says_why_it_cannot_be_recovered_live(monkeypatch):
+    """What a rank tells the coordinator, and rank 0 prints as the run starts, when its loop
+    cannot be recovered live: the model's class, the missing optimizer, the accumulation."""
+    said: list[str] = []
+
+    class Link:
+        def not_live(self, why: str) -> None:
+            said.append(why)
+
+    monkeypatch.setattr(rank_side, "_link", Link())
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert rank_side.for_loop(model, optimizer, 1, "gloo", torch.device("cpu")) == (None, said[0])
+    assert said[0].startswith("the loop's model is a torch.nn.modules.linear.Linear, not "
+                              "torch's DistributedDataParallel"), said
+    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", nn.Linear)  # a DDP, for the check
+    assert rank_side.for_loop(model, None, 1, "gloo", torch.device("cpu"))[1].startswith(
+        "the loop was given no optimizer")
+    assert "accumulates 4 micro-batches" in rank_side.for_loop(
+        model, optimizer, 4, "gloo", torch.device("cpu"))[1]
+    monkeypatch.setattr(rank_side, "_link", None)
+    assert rank_side.for_loop(model, optimizer, 4, "gloo", torch.device("cpu")) == (None, None)
+
+
+def test_a_collective_that_fails_after_the_training_ended_is_no_recovery():
+    """BYE said, a rank's evaluation lost its peer: the training is over, and what follows is
+    the launch's end to judge (docs/FAILURES.md, "A finished training is not a failed job")."""
+    recovery = host_module("recovery")
+    coordinator = recovery.Coordinator(2, lambda nodes, generation: ["n9"], lambda why: None,
+                                       heartbeat_s=30.0)
+    coordinator.start()
+    port = int(coordinator.address.rsplit(":", 1)[1])
+    ranks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+    try:
+        for rank, connection in enumerate(ranks):
+            for message in ({"kind": "hello", "rank": rank, "node": f"n{rank}", "pid": rank,
+                             "generation": 0}, {"kind": "live"}, {"kind": "bye"}):
+                connection.sendall((json.dumps(message) + "\n").encode())
+        # The coordinator reads a connection's messages in order: JOINED marks the BROKEN read.
+        for message in ({"kind": "broken", "generation": 0, "why": "Connection closed by peer"},
+                        {"kind": "joined", "generation": 7}):
+            ranks[1].sendall((json.dumps(message) + "\n").encode())
+        with coordinator.changed:
+            assert coordinator.changed.wait_for(
+                lambda: 1 in coordinator.peers and coordinator.peers[1].joined == 7, timeout=10)
+            assert not coordinator.recovering and not coordinator.fallen_back
+    finally:
+        coordinator.stop()
+        for connection in ranks:
+            connection.close()

@@ -57,6 +57,35 @@ def test_one_intervals_hiccup_names_nobody_and_the_factor_is_the_users():
                     "over the last 30 steps"]
 
 
+def test_short_steps_name_a_rank_only_once_it_lost_more_than_a_hiccup():
+    """Steps of 3 ms of work: a rank descheduled for a while is 2.4x the median over three
+    intervals but has lost 0.13 s, and over a longer window it is not slow; a rank 2.5x slow
+    all along is named once it has lost MIN_EXCESS_S (0.5 s)."""
+    said: list[str] = []
+    watch = watch_of(4, said)
+    healthy = [0.003] * 4
+    run_intervals(watch, [healthy] * 20 + [[0.003, 0.0072, 0.003, 0.003]] * 3 + [healthy] * 5)
+    assert said == []
+    slow = watch_of(4, said)
+    run_intervals(slow, [healthy] + [[0.003, 0.003, 0.0075, 0.003]] * 20)
+    # 0.045 s lost per interval: the twelfth interval passes 0.5 s.
+    assert said == ["xscale: straggler: rank 2 on nid003: 2.5x the median rank's work per step "
+                    "over the last 120 steps"]
+
+
+def test_after_a_recovery_the_first_interval_is_a_warm_up_again():
+    """A replacement's first interval (its workers starting, its first forward) names nobody:
+    every rank starts its account afresh at the recovery."""
+    said: list[str] = []
+    watch = watch_of(4, said)
+    run_intervals(watch, [[0.1] * 4] * 4)
+    watch.restart(["nid001", "nid002", "nid004", "nid003"])
+    run_intervals(watch, [[0.1, 0.1, 0.9, 0.1]] + [[0.1] * 4] * 3)
+    assert said == []
+    run_intervals(watch, [[0.1, 0.1, 0.1, 0.4]] * 3)
+    assert said[-1].startswith("xscale: straggler: rank 3 on nid003: ")  # the new placement
+
+
 def test_only_rank_0_speaks_but_every_rank_keeps_the_same_account():
     said: list[str] = []
     other = stragglers.StragglerWatch(Clock(), 2, 4, [], 2.0, 3, say=said.append)

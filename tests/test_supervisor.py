@@ -124,6 +124,28 @@ def test_a_finished_training_is_read_from_rank_0s_progress_not_from_the_log(tmp_
     assert scontrol_calls(tmp_path) == []
 
 
+def test_a_launch_that_fails_after_its_training_finished_is_no_failed_job(tmp_path):
+    """Rank 0 noted the training's end, then the launch failed (an evaluation's collective
+    after a live recovery, gloo's abort at exit): the report's first line says the training
+    finished, and the job ends with the training's status, neither restarted nor requeued."""
+    launched = supervisor(tmp_path, "launch", "--", "bash", "-c",
+                          'printf "%s" "$1" >>"$XSCALE_PROGRESS"; exit 134', "launch",
+                          '{"event": "end", "step": 40, "time": 1.0, "stopped": false}\n',
+                          XSCALE_RETRY="1")
+    lines = launched.stderr.splitlines()
+    assert lines[0] == (
+        "xscale: the training finished at step 40; the launch failed after it (exit status "
+        "134), in what follows the training (an evaluation, the summary): the job ends with "
+        "the training's status, 0; submitting it again resumes at that step and runs only what "
+        "follows"), launched.stderr
+    assert "xscale: the launch failed with exit status 134; what srun saw:" in lines
+    assert not any("restart" in line or "retry" in line for line in lines), lines
+    judged = supervisor(tmp_path, "judge", XSCALE_RETRY="1")
+    assert (judged.returncode, judged.stderr) == (0, "")
+    supervisor(tmp_path, "finish", XSCALE_RETRY="1")
+    assert scontrol_calls(tmp_path) == []
+
+
 def test_notes_cut_short_are_a_stopped_training_not_a_crash(tmp_path):
     """A step killed mid-line leaves half a note: no proof it finished, so it is requeued."""
     judged = run_step(tmp_path, '{"event": "first_step", "step": 1, "time": 1.0}\n{"event": "en',

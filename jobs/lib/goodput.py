@@ -80,7 +80,8 @@ def _account_launch(launch, events, next_launch):
     spent["startup"] = first["time"] - launched
     saves = [event for event in events if event.get("event") == contract.CHECKPOINT]
     last = max(events, key=lambda event: event["time"])
-    if launch.get("status") == 0:
+    if launch.get("status") == 0 or contract.training_finished(events):
+        # A launch that failed after its training finished lost none of it (docs/FAILURES.md).
         end = contract.first(events, contract.END)
         finished = last["time"] if end is None else end["time"]
         stalls = sum(event.get("stall_s", 0.0) for event in saves)

@@ -53,6 +53,7 @@ class Peer:
         self.generation = generation
         self.last_beat = now
         self.live = self.bye = self.closed = self.lost = False
+        self.not_live = None  # why its training cannot be recovered live, as it said
         self.left = self.joined = None  # the generation it last left, and joined
         self.send_lock = threading.Lock()
 
@@ -146,6 +147,8 @@ class Coordinator:
             peer.last_beat = self.now()
             if kind == contract.LIVE:
                 peer.live = True
+            elif kind == contract.NOT_LIVE:
+                peer.not_live = received.get("why")
             elif kind == contract.LEFT:
                 peer.left = received.get("generation")
             elif kind == contract.JOINED:
@@ -155,7 +158,7 @@ class Coordinator:
             elif kind == contract.BYE:
                 peer.bye = True
             self.changed.notify_all()
-        if kind == contract.BROKEN:
+        if kind == contract.BROKEN and not peer.bye:  # after BYE: the training is over
             self._failed("rank %d's collective failed (%s)" % (peer.rank, received.get("why")),
                          received.get("generation"))
         elif kind == contract.FAILED:
@@ -205,6 +208,10 @@ class Coordinator:
     def _recover(self, why):
         noticed, noticed_at = self.now(), time.time()  # the records' times are wall-clock
         generation = self.generation
+        unable = self._not_live()
+        if unable:
+            self.fall_back("%s; %s" % (why, unable))
+            return
         say("live recovery: %s; every rank leaves generation %d" % (why, generation))
         self._send_all(contract.ABORT, generation=generation)
         survivors, lost = self._leavers(generation, noticed + LEAVE_WINDOW_S)
@@ -261,15 +268,24 @@ class Coordinator:
             return "every rank left, none was lost: nothing to replace"
         if not survivors:
             return "no rank survived"
-        not_live = [peer for peer in survivors if not peer.live]
-        if not_live:
-            return ("%s cannot re-enter its training loop (xscale.Loop with DDP can)"
-                    % not_live[0])
         lost_nodes = {peer.node for peer in lost}
         alive = [peer for peer in survivors if peer.node in lost_nodes]
         if alive:
             return ("%s lives on while other ranks of its node were lost: a process failed, "
                     "not its node" % alive[0])
+        return None
+
+    def _not_live(self):
+        """Why the ranks' training cannot be recovered live, or None: every rank must be in a
+        loop that can leave a broken step (it said LIVE). A rank that said why not is named
+        with its words; it also said so as the run started (xscale.recovery.for_loop)."""
+        with self.changed:
+            peers = sorted(self.peers.values(), key=lambda peer: peer.rank)
+        for peer in peers:
+            if not peer.live:
+                return "%s cannot be recovered live: %s" % (peer, peer.not_live or (
+                    "it is not (or not yet) in a loop that live recovery can re-enter "
+                    "(xscale.Loop with a torch DDP model)"))
         return None
 
     def _host_store(self, host, generation):

@@ -219,6 +219,9 @@ def command_launch(settings, stop_file, line):
         job_records.save(attempt)
         if launch.status == 0 or stop_signals(stop_file) or supervised.proc is None:
             break  # done; stopped (TERM means stop, a warning leaves no time); never started
+        if training_finished(launch.log):
+            report_failure_after_training(settings, job_records, launch, allocation)
+            break  # the training is done: nothing to restart, nothing to requeue
         blamed = report_failure(settings, job_records, launch, allocation)
         if not blamed:
             break  # a bug in the trainer must not loop
@@ -268,6 +271,8 @@ def command_judge(settings, stop_file):
     if launch is None or launch.status is None:
         say("error: the launch's supervisor ended without its status (was it killed?)")
         return 1
+    if launch.status != 0 and training_finished(launch.log):
+        return 0  # the training's status: what failed after it was reported (command_launch)
     if came and came[-1] == "USR1" and launch.status == 0:
         if training_finished(launch.log):
             say("the launch had finished its training when SIGUSR1 came: no requeue")
@@ -289,6 +294,19 @@ def training_finished(log):
     """A launch that ran its training to the end says so in rank 0's progress notes (its `end`
     event, not stopped: xscale.contract); one without notes is taken as stopped."""
     return contract.training_finished(progress_of(log))
+
+
+def report_failure_after_training(settings, job_records, launch, allocation):
+    """A launch that failed after its training finished (rank 0's `end` note): its first line
+    says so, then the usual report of what srun saw. Its checkpoint of the last step is on disk,
+    and no node is blamed, restarted or requeued for the training's sake: the job ends with the
+    training's status, 0 (docs/FAILURES.md, "A finished training is not a failed job")."""
+    end = contract.first(progress_of(launch.log), contract.END)
+    say("the training finished at step %s; the launch failed after it (exit status %d), in "
+        "what follows the training (an evaluation, the summary): the job ends with the "
+        "training's status, 0; submitting it again resumes at that step and runs only what "
+        "follows" % (end.get("step"), launch.status))
+    report_failure(settings, job_records, launch, allocation)
 
 
 def progress_of(log):

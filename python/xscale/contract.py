@@ -25,12 +25,13 @@ Every launch also gets XSCALE_LAUNCH_T, when the supervisor launched it (docs/ST
 
 Live recovery (docs/FAILURES.md): with spares, the supervisor's coordinator (jobs/lib/recovery.py)
 and the ranks (xscale.recovery) speak over TCP, one JSON object a line, {"kind": KIND, ...}.
-A rank says HELLO (rank, node, pid, generation), then LIVE once its loop can re-enter, BEAT every
-few seconds, BROKEN when a collective of its generation failed, LEFT once it left that group,
-STORE (the address of the store it hosts when asked), JOINED, and BYE at its end, or FAILED
-(an error of its own). The coordinator says ABORT (leave generation G now), HOST_STORE (host
-the next generation's store), JOIN (form generation G on that store; state from rank SOURCE)
-and FALLBACK (no live recovery: exit, the usual restart or requeue follows).
+A rank says HELLO (rank, node, pid, generation), then LIVE once its loop can re-enter (or
+NOT_LIVE, with why not), BEAT every few seconds, BROKEN when a collective of its generation
+failed, LEFT once it left that group, STORE (the address of the store it hosts when asked),
+JOINED, and BYE at its end, or FAILED (an error of its own). The coordinator says ABORT (leave
+generation G now), HOST_STORE (host the next generation's store), JOIN (form generation G on
+that store; state from rank SOURCE) and FALLBACK (no live recovery: exit, the usual restart or
+requeue follows).
 
 Standard library only, and Python 3.6: the host's programs load this file by path
 (jobs/lib/shared.py), where the package itself does not import.
@@ -62,8 +63,8 @@ RELEASED = "released"  # FLIGHT_RECORDS/released
 FIRST_STEP, INTERVAL, CHECKPOINT, END = "first_step", "interval", "checkpoint", "end"
 
 # Live recovery's messages: a rank's, then the coordinator's.
-HELLO, LIVE, BEAT, BROKEN, LEFT, STORE, JOINED, BYE, FAILED = (
-    "hello", "live", "beat", "broken", "left", "store", "joined", "bye", "failed")
+HELLO, LIVE, NOT_LIVE, BEAT, BROKEN, LEFT, STORE, JOINED, BYE, FAILED = (
+    "hello", "live", "not_live", "beat", "broken", "left", "store", "joined", "bye", "failed")
 ABORT, HOST_STORE, JOIN, FALLBACK = "abort", "host_store", "join", "fallback"
 
 

@@ -10,13 +10,14 @@ a DDP model and one micro-batch per step, whose step can be dropped and done aga
   the sum when the all-reduce ends, or with the local gradients when it fails or the
   coordinator says ABORT. A failure therefore never raises in the script's own lines;
   `optimizer.step()` then finds no gradients (a step pre-hook drops them) and changes nothing,
-  and Loop.record() recovers and hands the script the same batch again.
+  and Loop.record() recovers without counting the step.
 - The loop's own collectives (the vote) wait on their work or on ABORT, whichever comes first
   (wait()), and DDP's buffer broadcast at each forward is the loop's, done the same way before
   it hands out a batch (sync_buffers).
 - The next group forms on a store that the lowest surviving rank hosts; DDP moves to it
   (_update_process_group); the lowest surviving rank sends the model, the optimizer and the
-  loop's position to every rank, and the replacements take them. The first step after sums
+  loop's Position to every rank, and every rank takes them, survivors too: all go on at the
+  same step, from the same place in the epoch, voting at the same steps. The first step after sums
   every gradient in the parameters' order: the replacements' DDP buckets are not yet laid out
   as the survivors' are (DDP lays them out again at the next forward, everywhere alike).
 
@@ -37,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -51,7 +53,21 @@ POLL_S = 0.02  # how often a wait looks at the abort flag (its work's end wakes 
 
 
 class GroupBroken(Exception):
-    """The process group failed (a peer is lost): the loop recovers and does its step again."""
+    """The process group failed (a peer is lost): the loop recovers and goes on."""
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a loop is, as the source rank sends it after a recovery: the optimizer steps done
+    (the place in the epoch follows from it), the step its log and vote intervals count from,
+    its newest checkpoint and its checkpoint interval (auto_every: not yet decided)."""
+
+    step: int
+    log_from: int
+    saved_step: int | None
+    saved_path: str | None
+    checkpoint_every: int
+    auto_every: bool
 
 
 class Link:
@@ -91,6 +107,10 @@ class Link:
         if generation == self.generation and not self.broken.is_set():
             self.send(contract.BROKEN, generation=generation, why=why[:200])
             self._break()
+
+    def not_live(self, why: str) -> None:
+        """This rank's training cannot be recovered live, for WHY (said once, at its start)."""
+        self.send(contract.NOT_LIVE, why=why[:200])
 
     def failed(self, error: BaseException) -> None:
         """An error of this rank's own ends it: no live recovery for the launch."""
@@ -257,6 +277,7 @@ class Recovery:
         self._pending: dict[int, tuple[torch.futures.Future, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.layout_free = joining()  # the first step after (re)forming (module docstring)
+        self.step_dropped = False  # the group broke before this step's update: none was made
         model.register_comm_hook(None, self._all_reduce)
         optimizer.register_step_pre_hook(self._before_step)
         link.on_broken.append(self._release_pending)
@@ -318,6 +339,7 @@ class Recovery:
             except GroupBroken:
                 pass
         if self.broken:
+            self.step_dropped = True
             for group in optimizer.param_groups:
                 for parameter in group["params"]:
                     parameter.grad = None
@@ -345,11 +367,10 @@ class Recovery:
 
     # ---- the recovery ---------------------------------------------------------------------
 
-    def recover(self, loop_state: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
+    def recover(self, position: Position) -> tuple[float, float, Position]:
         """Leave the broken group, form the next, and send (from the lowest surviving rank) or
         take the state; the seconds it took, those of the state's transfer, and the source's
-        LOOP_STATE, which every rank takes (its model is the one every rank now has)."""
-        global _received
+        POSITION, which every rank takes (its model is the one every rank now has)."""
         started = time.perf_counter()
         generation = self.link.generation
         dist.distributed_c10d._abort_process_group()  # gloo and NCCL alike: returns at once
@@ -358,33 +379,34 @@ class Recovery:
                    self.device)
         self.model._update_process_group(dist.group.WORLD)
         formed = time.perf_counter()
-        source_state = self.transfer(loop_state)
-        _received = True
+        source_position = self._take_state(position)
         self.link.broken.clear()
+        self.step_dropped = False
         self.layout_free = True
         self.link.send(contract.JOINED, generation=self.link.generation)
         done = time.perf_counter()
-        return done - started, done - formed, source_state
+        return done - started, done - formed, source_position
 
-    def receive(self, loop_state: dict[str, Any]) -> dict[str, Any]:
-        """A replacement's state, from the survivors (in Loop's constructor)."""
-        global _received
-        state = self.transfer(loop_state)
-        _received = True
+    def receive(self) -> Position:
+        """A replacement's state and position, from the survivors (in Loop's constructor)."""
+        position = self._take_state(None)
         self.link.send(contract.JOINED, generation=self.link.generation)
-        return state
+        return position
 
-    def transfer(self, loop_state: dict[str, Any]) -> dict[str, Any]:
-        """The source rank's model, optimizer and LOOP_STATE to every rank (a collective)."""
+    def _take_state(self, position: Position | None) -> Position:
+        """The source rank's model, optimizer and POSITION to every rank (a collective); the
+        source's position."""
         from xscale.dist import collective_device  # xscale.dist imports this module
 
+        global _received
         source = self.link.join["source"]
         for tensor in [*self.model.module.parameters(), *self.model.module.buffers()]:
             dist.broadcast(tensor.data, source)
-        carried = [self.optimizer.state_dict(), loop_state]
+        carried = [self.optimizer.state_dict(), position]
         dist.broadcast_object_list(carried, source, device=collective_device())
         if dist_rank() != source:
             self.optimizer.load_state_dict(carried[0])
+        _received = True
         return carried[1]
 
 
@@ -398,9 +420,26 @@ def collective_timeout() -> timedelta:
 
 
 def for_loop(model: nn.Module, optimizer: Any, accumulation: int, backend: str,
-             device: torch.device) -> Recovery | None:
-    """A Loop's recovery, when the coordinator is there and the loop can do its step again."""
-    if _link is None or optimizer is None or accumulation != 1 \
-            or not isinstance(model, nn.parallel.DistributedDataParallel):
-        return None
-    return Recovery(model, optimizer, _link, backend, device)
+             device: torch.device) -> tuple[Recovery | None, str | None]:
+    """A Loop's recovery when the coordinator is there and the loop can drop and redo its step;
+    else None, and why not (None as well without the coordinator: nothing to say)."""
+    if _link is None:
+        return None, None
+    why = _not_recoverable(model, optimizer, accumulation)
+    if why is not None:
+        _link.not_live(why)
+        return None, why
+    return Recovery(model, optimizer, _link, backend, device), None
+
+
+def _not_recoverable(model: nn.Module, optimizer: Any, accumulation: int) -> str | None:
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        kind = type(model)
+        return (f"the loop's model is a {kind.__module__}.{kind.__qualname__}, not torch's "
+                "DistributedDataParallel, whose gradient all-reduce live recovery takes over")
+    if optimizer is None:
+        return "the loop was given no optimizer (Loop(optimizer=...)) whose step it can drop"
+    if accumulation != 1:
+        return (f"the loop accumulates {accumulation} micro-batches per step; a dropped step's "
+                "earlier micro-batches cannot be done again")
+    return None

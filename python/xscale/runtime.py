@@ -213,10 +213,12 @@ class RunTally:
         first_step, first_end = self._first
         return (time.perf_counter() - first_end) / (step - first_step)
 
-    def auto_interval(self, option: str, step_s: float, write_s: float = 0.0) -> dict[str, float]:
+    def auto_interval(self, option: str, step_s: float | None,
+                      write_s: float = 0.0) -> dict[str, float]:
         """Rank 0's interval from the last save's cost, as the vote's share (the other ranks
-        add 0, the all-reduce hands rank 0's to all); the decision is printed on rank 0."""
-        if not self.ctx.is_main:
+        add 0, the all-reduce hands rank 0's to all); the decision is printed on rank 0. A rank
+        0 that has timed no step yet (a replacement) adds 0 too: no decision at this vote."""
+        if not self.ctx.is_main or step_s is None:
             return {"every": 0.0}
         every, line = checkpoint.auto_decision(option, self.last_stall_s, write_s, step_s,
                                                self.ctx.nnodes, self.node_mtbf_h)
@@ -294,9 +296,12 @@ class Loop:
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         # With spares, live recovery (xscale.recovery); a replacement takes its state from the
-        # survivors, not from a checkpoint.
-        self.recovery = recovery.for_loop(model, optimizer, accumulation, ctx.backend,
-                                          ctx.device)
+        # survivors, not from a checkpoint. A loop it cannot serve says why, once, now.
+        self.recovery, not_live = recovery.for_loop(model, optimizer, accumulation,
+                                                    ctx.backend, ctx.device)
+        if not_live is not None and ctx.is_main:
+            print(f"xscale: live recovery is off for this run: {not_live}; a lost node "
+                  "restarts the launch on a spare instead (docs/YOUR-SCRIPT.md)", flush=True)
         joining = self.recovery is not None and recovery.joining()
         self.save_fn, resumed = save, resumed_step
         if save is None:
@@ -310,17 +315,18 @@ class Loop:
         self.stopped = False
         self._micro = 0  # micro-batches of the optimizer step under way
         self._voted_at: int | None = None
-        self._redo = False  # the step was dropped by a recovery: its batch comes again
-        self._log_from: int | None = None
-        if joining:
-            self._take_position(self.recovery.receive(self._position()))
+        self._moved = False  # a live recovery moved this rank to the source's position
+        # A replacement takes the survivors' position (and their model) instead of a checkpoint.
+        received = self.recovery.receive() if joining else None
+        if received is not None:
+            self.start_step = self.step = received.step
         self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
         tensorboard_dir = tensorboard_dir or (self.output_dir and self.output_dir / "tb")
         self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=self.start_step,
                                    total_steps=self.end_step, log_every=log_every,
                                    tensorboard_dir=tensorboard_dir, desc=self.trainer)
-        if self._log_from is not None:  # a replacement votes at the survivors' steps
-            self.log.start_step = self._log_from
+        if received is not None:
+            self._take_position(received)
         self.window = profiling.window_from_env(ctx.rank, ctx.device)
         self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
                                            say=self.log.message)
@@ -349,10 +355,12 @@ class Loop:
         """(epoch, micro-batch) from the resumed position until the end or a stop. A resumed
         run continues the interrupted epoch in the same shuffled order."""
         self.meter.start()
-        batches = data.train_batches(self.loader, self.sampler, start_step=self.start_step,
-                                     epochs=self.epochs, max_steps=self.end_step,
-                                     accumulation=self.accumulation)
+        batches = self._batches_from(self.step)
         while True:
+            if self._moved:  # a live recovery: every rank goes on from the source's position
+                self._moved = False
+                batches.close()
+                batches = self._batches_from(self.step)
             waited = time.perf_counter()
             try:
                 step_index, epoch, batch = next(batches)
@@ -365,13 +373,18 @@ class Loop:
             self.window.step(step_index)
             self.epoch = epoch
             self._sync_buffers()
+            if self._moved:
+                continue  # recovered in the broadcast: this batch may not be the step's now
             yield epoch, batch
-            while self._redo:  # a recovery dropped the step: the same batch again
-                self._redo = False
-                self._sync_buffers()
-                yield epoch, batch
             if self.stopped:
                 return
+
+    def _batches_from(self, step: int) -> Iterator[tuple[int, int, Any]]:
+        """The micro-batches from STEP on: the epoch and the place in it follow from the step
+        alone, so ranks at the same step draw the same share of the same shuffled order."""
+        return data.train_batches(self.loader, self.sampler, start_step=step,
+                                  epochs=self.epochs, max_steps=self.end_step,
+                                  accumulation=self.accumulation)
 
     @property
     def boundary(self) -> bool:
@@ -388,8 +401,8 @@ class Loop:
     def record(self, loss: torch.Tensor, samples: int, tokens: int = 0) -> None:
         """After each micro-batch: its loss and size (samples, tokens for language models);
         at a step's end the checkpoint cadence and, every `log_every` steps, the stop vote."""
-        if self.recovery is not None and self.recovery.broken:
-            self._recover(redo=True)  # the step changed nothing: it is done again
+        if self.recovery is not None and self.recovery.step_dropped:
+            self._recover()  # the step changed nothing: it is not counted
             return
         self.log.add(self.step, loss, samples)
         self._micro += 1
@@ -403,6 +416,9 @@ class Loop:
         if self.step == self.start_step + 1:
             self.tally.first_step(self.step)
         self.log.advance()
+        if self.recovery is not None and self.recovery.broken:
+            self._recover()  # broken after this rank's update: its save and vote are gone too
+            return
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self._save()
         if self.log.due(self.step) or self.step == self.end_step:
@@ -431,9 +447,9 @@ class Loop:
             # Not voted again: a survivor may still have been in this step's all-reduce (a ring
             # ends on some ranks first), so after the recovery every rank trains on, and votes
             # at the next interval.
-            self._recover(redo=False)
+            self._recover()
             return
-        if "every" in shared:  # rank 0's proposal; the others added 0
+        if shared.get("every"):  # rank 0's proposal (the others added 0); 0: none yet
             self.checkpoint_every, self.auto_every = int(shared["every"]), False
         if stop:
             self.stopped = True
@@ -441,55 +457,61 @@ class Loop:
 
     def _propose_interval(self) -> dict[str, float]:
         """With checkpoint_every auto, at the first vote after a timed step: a save now, and
-        rank 0's interval from what it cost, which the vote's all-reduce hands to every rank."""
-        step_s = self.tally.seconds_per_step(self.step)
-        if not self.auto_every or self.save_fn is None or step_s is None:
+        rank 0's interval from what it cost, which the vote's all-reduce hands to every rank.
+        Whether to propose is decided from the position alone, the same on every rank (a
+        replacement has timed no step yet; the vote's sizes must match everywhere)."""
+        if not self.auto_every or self.save_fn is None or self.step - self.log.start_step < 2:
             return {}
         self._save()
         self._wait_for_writes()
-        return self.tally.auto_interval("--checkpoint-every", step_s,
+        return self.tally.auto_interval("--checkpoint-every",
+                                        self.tally.seconds_per_step(self.step),
                                         getattr(self.save_fn, "last_write_s", 0.0))
 
     # ---- live recovery (xscale.recovery) ----------------------------------------------------
 
     def _sync_buffers(self) -> None:
         """Rank 0's buffers to every rank before the forward (DDP's own broadcast, which would
-        raise in the script's lines, is off under live recovery)."""
-        while self.recovery is not None and self.recovery.buffers:
-            try:
-                self.recovery.sync_buffers()
-                return
-            except recovery.GroupBroken:
-                self._recover(redo=False)
+        raise in the script's lines, is off under live recovery). A recovery here moves the
+        loop: the batch is drawn again, and its broadcast done again, by batches()."""
+        if self.recovery is None or not self.recovery.buffers:
+            return
+        try:
+            self.recovery.sync_buffers()
+        except recovery.GroupBroken:
+            self._recover()
 
-    def _recover(self, redo: bool) -> None:
-        """Leave the broken group and train on in the next, the lost node's ranks replaced;
-        REDO: the step under way was dropped and its batch comes again."""
+    def _recover(self) -> None:
+        """Leave the broken group and train on in the next, the lost node's ranks replaced,
+        every rank from the source rank's position (module xscale.recovery)."""
         seconds, transfer_s, source = self.recovery.recover(self._position())
-        # The survivors may have stopped a step apart (one finished the all-reduce the other
-        # still waited in); the model is the source's now, and so is the step count.
-        self.step = source["step"]
-        self._voted_at = None  # a vote cut short counts as none, on every rank alike
-        self.stragglers.nodes = gather_to_rank0(stragglers.node_name())  # a node changed
-        self._redo = redo
+        self._take_position(source)
+        self.stragglers.restart(gather_to_rank0(stragglers.node_name()))  # a node changed
         self.message(f"{self.prog}: live recovery: training goes on at step {self.step}, "
                      f"{seconds:.1f} s after this rank left the broken group (the state's "
                      f"transfer: {transfer_s:.2f} s)")
 
-    def _position(self) -> dict[str, Any]:
-        """Where the loop is, for a replacement (the source rank's is the one kept)."""
-        return {"step": self.step, "log_from": getattr(self, "log", None) and self.log.start_step,
-                "saved_step": self.saved_step,
-                "saved_path": None if self.saved_path is None else str(self.saved_path),
-                "checkpoint_every": self.checkpoint_every, "auto_every": self.auto_every}
+    def _position(self) -> recovery.Position:
+        """Where this rank's loop is; after a recovery the source rank's is every rank's."""
+        return recovery.Position(
+            step=self.step, log_from=self.log.start_step, saved_step=self.saved_step,
+            saved_path=None if self.saved_path is None else str(self.saved_path),
+            checkpoint_every=self.checkpoint_every, auto_every=self.auto_every)
 
-    def _take_position(self, position: dict[str, Any]) -> None:
-        self.start_step = self.step = position["step"]
+    def _take_position(self, position: recovery.Position) -> None:
+        """Go on from POSITION, the source rank's: its step (the model is the source's), so
+        also its place in the epoch (the next batches are drawn from there), its vote cadence
+        and checkpoint interval. The survivors may have stopped a step apart: one finished an
+        all-reduce that another still waited in, and kept apart they drew different batches and
+        met in different collectives (docs/FAILURES.md, "Live recovery")."""
+        self.step = position.step
         self.epoch = self.step // self.per_epoch
-        self.saved_step, self.saved_path = position["saved_step"], position["saved_path"]
-        self.checkpoint_every = position["checkpoint_every"]
-        self.auto_every = position["auto_every"]
-        self._log_from = position["log_from"]
+        self.saved_step, self.saved_path = position.saved_step, position.saved_path
+        self.checkpoint_every, self.auto_every = position.checkpoint_every, position.auto_every
+        self.log.start_step = position.log_from
+        self._micro = 0
+        self._voted_at = None  # a vote cut short counts as none, on every rank alike
+        self._moved = True
 
     def _save(self) -> None:
         """The checkpoint of this step, once (a collective save: every rank waits as long as

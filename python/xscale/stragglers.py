@@ -19,9 +19,16 @@ that each have their own GPU or node should differ far less, not measured here) 
 that halves the pace of every step at its compute-bound part; on a quiet machine a lower one
 (1.3) catches milder stragglers. Three intervals together (XSCALE_STRAGGLER_INTERVALS) keep one
 interval's hiccup (a checkpoint, a page-cache miss) from naming anyone; the first interval, one
-step of warm-up, is not counted. The summary's `straggler` field holds the slowest rank of the
-whole run, its node and its factor. A median needs a healthy majority: with half the ranks on one
-slow node of two, nobody is twice the median, and the summary's factor still shows the imbalance.
+step of warm-up, is not counted. Short steps need more: a rank is named only once it has lost
+MIN_EXCESS_S more than the median rank, over the newest intervals or, while it stays that slow,
+over older ones too. A rank descheduled for 100 ms is twice the median of 30 steps of 3 ms (a
+healthy 2 x 2 run with 11 ms steps named four different ranks at 2.0-2.4x before), while a
+slowed node on the test bed loses 0.8 s an interval. After a live recovery every rank starts
+afresh, the next interval a warm-up: a replacement's first steps (its workers starting, its
+first forward) are no sign of a slow node. The summary's `straggler` field holds the slowest
+rank of the whole run, its node and its factor. A median needs a healthy majority: with half
+the ranks on one slow node of two, nobody is twice the median, and the summary's factor still
+shows the imbalance.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ from xscale.runlog import node_name, unwrap
 from xscale.spans import Spans
 
 FACTOR_ENV, INTERVALS_ENV = "XSCALE_STRAGGLER_FACTOR", "XSCALE_STRAGGLER_INTERVALS"
+# The least a rank must lose against the median rank to be named: more than a scheduler's
+# hiccup where ranks share cores (tens to a few hundred ms), less than what a slowed node loses
+# in one interval on the test bed (0.8-1.1 s of 10 steps of a tiny model).
+MIN_EXCESS_S = 0.5
+HISTORY = 100  # intervals kept for a rank slow by the factor but short of MIN_EXCESS_S
 DEFAULT_FACTOR = xscale_settings.setting(FACTOR_ENV).default
 DEFAULT_INTERVALS = xscale_settings.setting(INTERVALS_ENV).default
 
@@ -95,7 +107,7 @@ class StragglerWatch:
         self.factor, self.intervals, self.say = factor, intervals, say
         self._steps_since = 0
         self._observed = 0
-        self._window: list[tuple[int, list[float]]] = []  # (steps, seconds per rank) per interval
+        self._history: list[tuple[int, list[float]]] = []  # (steps, seconds per rank), rank 0
         self._named: set[int] = set()
         self._totals = [0.0] * world_size
 
@@ -110,27 +122,59 @@ class StragglerWatch:
         return vector
 
     def observe(self, per_step: list[float]) -> None:
-        """Every rank's seconds per step over the interval just reduced. Each rank is compared
-        over the last `intervals` intervals together, so that one interval's hiccup weighs a
-        third; rank 0 speaks."""
+        """Every rank's seconds per step over the interval just reduced; rank 0 says who
+        straggles (_slow_ranks)."""
         steps, self._steps_since = self._steps_since, 0
         self._observed += 1
         if self._observed == 1 or steps == 0:  # the first interval is the warm-up
             return
         seconds = [value * steps for value in per_step]
         self._totals = [total + value for total, value in zip(self._totals, seconds, strict=True)]
-        self._window = (self._window + [(steps, seconds)])[-self.intervals:]
-        if len(self._window) < self.intervals:
+        if self.rank != 0:
             return
-        window = [sum(column) for column in zip(*(spent for _, spent in self._window), strict=True)]
-        median = statistics.median(window)
-        for rank, spent in enumerate(window):
-            if median > 0 and spent / median >= self.factor and rank not in self._named:
-                self._named.add(rank)
-                if self.rank == 0:
-                    self.say(f"xscale: straggler: rank {rank} on {self.node(rank)}: "
-                             f"{spent / median:.1f}x the median rank's work per step over the "
-                             f"last {sum(steps for steps, _ in self._window)} steps")
+        self._history = (self._history + [(steps, seconds)])[-HISTORY:]
+        for rank, factor, over_steps in self._slow_ranks():
+            self._named.add(rank)
+            self.say(f"xscale: straggler: rank {rank} on {self.node(rank)}: {factor:.1f}x the "
+                     f"median rank's work per step over the last {over_steps} steps")
+
+    def _slow_ranks(self) -> list[tuple[int, float, int]]:
+        """(rank, factor, steps) of each rank not named yet whose work over the newest
+        `intervals` intervals is `factor` times the median rank's or more, so that one
+        interval's hiccup weighs a third at most, and MIN_EXCESS_S more. A rank slow enough but
+        short of that excess is judged over older intervals too, for as long as it stays slow
+        enough: a hiccup's factor fades in a longer window, a slow node's loss grows."""
+        found: list[tuple[int, float, int]] = []
+        spent, steps = [0.0] * self.world_size, 0
+        suspects: list[int] | None = None  # None: every rank
+        for count, (interval_steps, seconds) in enumerate(reversed(self._history), 1):
+            spent = [total + value for total, value in zip(spent, seconds, strict=True)]
+            steps += interval_steps
+            if count < self.intervals:
+                continue
+            median = statistics.median(spent)
+            if median <= 0:
+                break
+            candidates = range(self.world_size) if suspects is None else suspects
+            suspects = []
+            for rank in candidates:
+                if rank in self._named or spent[rank] < self.factor * median:
+                    continue
+                if spent[rank] - median >= MIN_EXCESS_S:
+                    found.append((rank, spent[rank] / median, steps))
+                else:
+                    suspects.append(rank)
+            if not suspects:
+                break
+        return found
+
+    def restart(self, nodes: list[str]) -> None:
+        """After a live recovery: the ranks' nodes now (rank 0's list), and a new account whose
+        first interval is a warm-up, on every rank alike."""
+        self.nodes = nodes
+        self.clock.take()
+        self._steps_since = self._observed = 0
+        self._history = []
 
     def node(self, rank: int) -> str:
         return self.nodes[rank] if rank < len(self.nodes) else "?"

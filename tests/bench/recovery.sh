@@ -25,29 +25,19 @@ submit() {
       --time=00:15:00 --no-kill --requeue --open-mode=append "$REPO/jobs/local/mnist.sbatch"
 }
 
-# wait_until SECONDS WHAT COMMAND...: poll COMMAND (bounded); exit 1 when it never holds.
-wait_until() {
-  local deadline=$((SECONDS + $1)) what=$2
-  shift 2
-  until "$@"; do
-    ((SECONDS < deadline)) || { echo "recovery bench: error: no $what" >&2; exit 1; }
-    sleep 0.2
-  done
-}
-
-running() { [[ $(squeue -h -j "$1" -o %T 2>/dev/null) == RUNNING ]]; }
-ended() { [[ -z $(squeue -h -j "$1" -o %T 2>/dev/null) ]]; }
+# shellcheck source=tests/bench/jobs.sh
+source "$REPO/tests/bench/jobs.sh"
 
 # measure NAME NODES SPARES: one crash, and the line that tells its cost.
 measure() {
   local name=$1 job crashed crashed_at
   job=$(submit "$@")
-  wait_until 240 "start of job $job" running "$job"
+  wait_until 240 "start of job $job" running "$job" || exit 1
   crashed=$(scontrol show hostnames "$(squeue -h -j "$job" -o %N)" | sed -n 2p)
-  wait_until 240 "checkpoint in job $job" test -e "$WORK/$name/out/ckpt-000010.pt"
+  wait_until 240 "checkpoint in job $job" test -e "$WORK/$name/out/ckpt-000010.pt" || exit 1
   crashed_at=$EPOCHREALTIME
   bash "$REPO/tests/cluster/fault.sh" crash "$crashed" >/dev/null
-  wait_until 600 "end of job $job" ended "$job"
+  wait_until 600 "end of job $job" ended "$job" || exit 1
   bash "$REPO/tests/cluster/fault.sh" heal "$crashed" >/dev/null
   "$PYTHON" - "$WORK/$name" "${crashed_at/,/.}" "$name" <<'EOF'
 import json, sys

@@ -21,6 +21,8 @@ run gpt_neo.sh        # gpt_neo_imdb: tokens/s on CPU
 run shared_opens.sh   # shared-storage opens per job, 1/2/4 nodes, without and with jobs/lib/stage
 run startup.sh        # start-up phases (launch .. first step) at 1, 2 and 4 nodes
 run recovery.sh       # a crashed node: restart on a spare vs requeue, crash to first step
+printf '\n== %s\n' live_recovery.sh  # a crashed node replaced live, three runs to their end
+bash "$BENCH_DIR/live_recovery.sh" 3
 printf '\n== %s\n' culprits.py  # a hang to its report, a straggler named, healthy runs quiet
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/culprits.py"
 printf '\n== %s\n' flight_recorder.py  # torch's flight recorder on and off, per collective
