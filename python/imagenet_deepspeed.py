@@ -73,6 +73,7 @@ def train(args: argparse.Namespace, ctx: xscale.Context, config: dict) -> int:
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = vision.build_model(args.arch, classes, args.channels_last)
+    config = ds.prepare(config, model, ctx)  # BatchNorm under fp16/bf16, the JIT build's archs
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
     dtype = next(engine.module.parameters()).dtype  # fp16/bf16 configs cast the weights

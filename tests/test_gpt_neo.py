@@ -320,3 +320,19 @@ def test_a_workshop_script_on_transformers_4x_api_trains_unchanged_on_two_nodes(
     # so gloo may abort its exit after training (exit 134, pytorch#190489), never before.
     aborted = "terminate called without an active exception" in proc.stderr
     assert proc.returncode == 0 or aborted, output[-3000:]
+
+
+@pytest.mark.parametrize("placed", [True, False], ids=["run.sh-alone", "by-hand"])
+def test_the_lone_rank_rule_a_placed_process_joins_a_group_of_one(monkeypatch, placed: bool):
+    """Under a launcher's RANK/WORLD_SIZE, one process too gets the device's backend (a group
+    of one, like every xscale trainer); started by hand, none (Trainer joins no group)."""
+    from xscale import hf
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "XSCALE_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    if placed:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+    arguments = hf.ddp_arguments()
+    assert arguments["use_cpu"] is True
+    assert arguments["ddp_backend"] == ("gloo" if placed else None)

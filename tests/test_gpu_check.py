@@ -18,9 +18,14 @@ from tests.fixtures.mnist_idx import write_mnist
 from tests.gpu import figures
 from tests.gpu.gpu_check import (
     LAUNCHER_VARIABLES,
+    TRAINERS,
+    Context,
+    Fixtures,
     Launch,
+    Node,
     Outcome,
     Runner,
+    check_trainer,
     child_env,
     judge_doctor,
     judge_trace,
@@ -72,6 +77,20 @@ def test_the_wrong_device_backend_and_world_size_each_fail_with_the_reason(cpu_r
     assert check.status == FAIL
     assert check.reason.split("; ") == ["device cpu, expected cuda", "backend gloo, expected nccl",
                                         "world_size 1, expected 8"]
+
+
+def test_a_lone_trainer_rank_is_judged_by_gpu_checks_own_rule_on_this_cpu(tmp_path: Path):
+    """The lone-rank rule (xscale.hf.ddp_arguments): Hugging Face's Trainer alone under run.sh,
+    as gpu-check's 1-GPU row runs it, joins a group of one with the device's backend, like every
+    other trainer; gpu-check's own check, on this CPU as the node, passes its summary."""
+    node = Node("cpu", "gloo", 1, "this CPU", "none", torch.__version__)
+    trainer = next(trainer for trainer in TRAINERS if trainer.name == "gpt_neo_imdb")
+    ctx = Context(node, tmp_path, Fixtures(tmp_path / "fixtures"),
+                  Runner(tmp_path / "logs", timeout_s=600), None, 1, 8)
+    check = check_trainer(ctx, trainer, Launch(1))
+    logs = "".join(log.read_text()[-2000:] for log in (tmp_path / "logs").iterdir())
+    assert (check.status, check.reason) == (PASS, ""), logs
+    assert (check.figures["backend"], check.figures["world_size"]) == ("gloo", 1)
 
 
 def test_a_failed_exit_fails_even_with_a_good_summary(cpu_run):

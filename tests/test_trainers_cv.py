@@ -162,13 +162,16 @@ def user_error_cases(mnist: Path, folder: Path, tmp: Path) -> list[tuple[list[st
          "no such file"),
         ([DEEPSPEED, "--deepspeed_config", str(bad_json), str(folder), *out], {},
          f"imagenet_deepspeed.py: error: --deepspeed_config '{bad_json}': not valid JSON"),
+        # The GPU config on a CPU: DeepSpeed's CPU accelerator has no fp16 (xscale.ds.prepare).
+        ([DEEPSPEED, "--deepspeed_config", "python/configs/ds_fp16_z1.json", str(folder), *out],
+         {}, "imagenet_deepspeed.py: error: the DeepSpeed config's fp16.enabled asks for fp16"),
     ]
 
 
 CASE_IDS = ["mnist-no-dir", "mnist-no-idx", "mnist-bad-rank", "mnist-gpu-without-one",
             "imagenet-xccl-without-xpu", "ds-nccl-without-gpu", "imagenet-no-data",
             "imagenet-no-dir", "imagenet-no-train", "imagenet-no-tar", "imagenet-rank-conflict",
-            "ds-no-config", "ds-bad-config"]
+            "ds-no-config", "ds-bad-config", "ds-fp16-on-cpu"]
 
 
 @pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)

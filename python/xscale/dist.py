@@ -40,7 +40,7 @@ class DistContext(Placement):
     (initialised) process group."""
 
     device: torch.device
-    backend: str | None  # None: one process that joined no group (Hugging Face's Trainer)
+    backend: str | None  # None: one process started by hand under Hugging Face's Trainer
 
     @property
     def is_main(self) -> bool:

@@ -43,17 +43,24 @@ TRAINER_STATE = "trainer_state.json"
 def ddp_arguments() -> dict[str, Any]:
     """xscale's choices as TrainingArguments' keywords: use_cpu (this rank has no GPU; the GPU
     is torch.accelerator's, by local rank), ddp_backend (the device's: nccl is RCCL on ROCm,
-    xccl on Intel GPUs, gloo on CPUs; XSCALE_BACKEND wins; none for one process, which joins no
-    group) and ddp_timeout (XSCALE_TIMEOUT_S: a lost rank fails the job instead of holding every
-    node). Call it before TrainingArguments, which joins the process group: a mistake is one
-    line. It also marks the start-up's `imports` moment: the script's libraries are imported."""
+    xccl on Intel GPUs, gloo on CPUs; XSCALE_BACKEND wins) and ddp_timeout (XSCALE_TIMEOUT_S: a
+    lost rank fails the job instead of holding every node). Call it before TrainingArguments,
+    which joins the process group: a mistake is one line. It also marks the start-up's
+    `imports` moment: the script's libraries are imported.
+
+    The lone-rank rule, the same for every xscale trainer: a process that a launcher placed
+    (run.sh, torchrun: RANK and WORLD_SIZE set) joins the group it describes, a lone one a
+    group of one, with the device's backend, and the summary names it; a process started by
+    hand, without them, joins no group through Trainer (xscale.start() makes itself a group of
+    one), and the summary's backend is null."""
     startup.mark("imports")
     placement = read_placement()
     accel = probe_accelerator()
     device = choose_device(placement.local_rank, accel=accel)
     backend = choose_backend(None, device, accel)
+    placed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     return {"use_cpu": device.type == "cpu",
-            "ddp_backend": backend if placement.world_size > 1 else None,
+            "ddp_backend": backend if placed else None,
             "ddp_timeout": int(timeout_from_env().total_seconds())}
 
 

@@ -266,7 +266,6 @@ class Trainer:
     name: str
     script: str
     args: Callable[[Fixtures, Path, int], list[str]]  # (fixtures, its output dir, ranks)
-    joins_group_alone: bool = True  # False: Hugging Face's Trainer, one process, no group
 
 
 def mnist_args(fx: Fixtures, out: Path, ranks: int, steps: int = STEPS) -> list[str]:
@@ -302,7 +301,7 @@ TRAINERS = (
     Trainer("mnist_ddp", "python/mnist_ddp.py", mnist_args),
     Trainer("imagenet", "python/imagenet.py", imagenet_args),
     Trainer("imagenet_deepspeed", "python/imagenet_deepspeed.py", deepspeed_args),
-    Trainer("gpt_neo_imdb", "python/gpt_neo_imdb.py", gpt_neo_args, joins_group_alone=False),
+    Trainer("gpt_neo_imdb", "python/gpt_neo_imdb.py", gpt_neo_args),
 )
 
 
@@ -326,8 +325,9 @@ def check_trainer(ctx: Context, trainer: Trainer, launch: Launch) -> Check:
     args = trainer.args(ctx.fixtures, run_dir, launch.ranks)
     outcome = ctx.runner.run(name.replace(" ", "-"), launch.command(
         RUN_SH, sys.executable, "-u", str(REPO / trainer.script), *args), child_env())
-    alone = launch.ranks == 1 and not trainer.joins_group_alone
-    expected = Expected(ctx.node.device, None if alone else ctx.node.backend, launch.ranks)
+    # Every trainer joins the group its launcher describes, a lone one too (a group of one:
+    # the lone-rank rule, xscale.hf.ddp_arguments): the node's backend at every size.
+    expected = Expected(ctx.node.device, ctx.node.backend, launch.ranks)
     return failed_run(name, outcome, ctx.runner.timeout_s) or judge_training(
         name, outcome.output, outcome.exit_code, expected)
 

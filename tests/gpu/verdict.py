@@ -29,8 +29,8 @@ class Check:
 @dataclass(frozen=True)
 class Expected:
     """What a trainer's summary must say on this node: the device type xscale.dist chose, the
-    backend it chose for that device (None: one process that joins no group, Hugging Face's
-    Trainer), and the ranks launched."""
+    backend it chose for that device (a lone rank's group of one included), and the ranks
+    launched."""
 
     device: str
     backend: str | None
