@@ -116,6 +116,9 @@ def test_a_loop_live_recovery_cannot_serve_falls_back_with_its_reason_not_no_sur
             for message in ({"kind": "hello", "rank": rank, "node": f"n{rank}", "pid": rank,
                              "generation": 0}, {"kind": "not_live", "why": why}):
                 connection.sendall((json.dumps(message) + "\n").encode())
+        with coordinator.changed:  # each connection is read by a thread of its own
+            assert coordinator.changed.wait_for(lambda: len(coordinator.peers) == 2 and all(
+                peer.not_live for peer in coordinator.peers.values()), timeout=10)
         connection = ranks.pop()
         connection.close()  # rank 1's process died
         assert gave_up.wait(timeout=10)
