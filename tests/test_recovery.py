@@ -9,7 +9,6 @@ behind the others (one held after its optimizer step until the group is known br
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
+from xscale import contract
 from xscale import recovery as rank_side
 from xscale.data import ResumableSampler
 
@@ -93,6 +93,11 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, he
     assert coordinator.finished(wait_s=5.0)
 
 
+def hello(rank: int) -> bytes:
+    """A fake rank's first message, as xscale.recovery.Link sends it (pid: the rank)."""
+    return contract.message(contract.HELLO, rank=rank, node=f"n{rank}", pid=rank, generation=0)
+
+
 def test_a_loop_live_recovery_cannot_serve_falls_back_with_its_reason_not_no_survivor():
     """Ranks that said at their start why live recovery cannot serve them (here: a model of the
     script's own DDP class, as LUMI's container test has): when one dies, the coordinator falls
@@ -113,9 +118,7 @@ def test_a_loop_live_recovery_cannot_serve_falls_back_with_its_reason_not_no_sur
     try:
         why = "the loop's model is a DistributedDataParallel of the script's own"
         for rank, connection in enumerate(ranks):
-            for message in ({"kind": "hello", "rank": rank, "node": f"n{rank}", "pid": rank,
-                             "generation": 0}, {"kind": "not_live", "why": why}):
-                connection.sendall((json.dumps(message) + "\n").encode())
+            connection.sendall(hello(rank) + contract.message(contract.NOT_LIVE, why=why))
         with coordinator.changed:  # each connection is read by a thread of its own
             assert coordinator.changed.wait_for(lambda: len(coordinator.peers) == 2 and all(
                 peer.not_live for peer in coordinator.peers.values()), timeout=10)
@@ -165,13 +168,12 @@ def test_a_collective_that_fails_after_the_training_ended_is_no_recovery():
     ranks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
     try:
         for rank, connection in enumerate(ranks):
-            for message in ({"kind": "hello", "rank": rank, "node": f"n{rank}", "pid": rank,
-                             "generation": 0}, {"kind": "live"}, {"kind": "bye"}):
-                connection.sendall((json.dumps(message) + "\n").encode())
+            connection.sendall(hello(rank) + contract.message(contract.LIVE)
+                               + contract.message(contract.BYE))
         # The coordinator reads a connection's messages in order: JOINED marks the BROKEN read.
-        for message in ({"kind": "broken", "generation": 0, "why": "Connection closed by peer"},
-                        {"kind": "joined", "generation": 7}):
-            ranks[1].sendall((json.dumps(message) + "\n").encode())
+        ranks[1].sendall(contract.message(contract.BROKEN, generation=0,
+                                          why="Connection closed by peer")
+                         + contract.message(contract.JOINED, generation=7))
         with coordinator.changed:
             assert coordinator.changed.wait_for(
                 lambda: 1 in coordinator.peers and coordinator.peers[1].joined == 7, timeout=10)
