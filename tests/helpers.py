@@ -130,6 +130,18 @@ def rank_records(output: str, tag: str = "XSCALE_RANK") -> list[dict]:
     return tagged_records(output, tag)
 
 
+def block_placed(ranks: list[dict], per_node: int = 2) -> list[str]:
+    """The nodes of a run's ranks, in rank order, after checking srun's block placement: ranks
+    0..PER_NODE-1 on one node, the next PER_NODE on another. Which nodes is Slurm's choice (a
+    node still completing its last job, its epilog after a scancel, is passed over for the
+    next idle one), so the tests do not name them."""
+    nodes = [r["node"] for r in sorted(ranks, key=lambda r: r["rank"])]
+    blocks = [nodes[i:i + per_node] for i in range(0, len(nodes), per_node)]
+    assert all(len(set(block)) == 1 for block in blocks), nodes
+    assert len({block[0] for block in blocks}) == len(blocks), nodes
+    return nodes
+
+
 def env_lines(output: str) -> dict[str, str]:
     """KEY=VALUE lines (run.sh --print-env) as a dict."""
     pairs = {}
