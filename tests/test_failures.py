@@ -558,7 +558,7 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_falls_back_to_the_re
     """XSCALE_SPARES=1: 3 x 2 ranks on four nodes, the fourth waiting. The first crash, between
     two checkpoints: the four healthy ranks keep their processes, the spare takes the lost
     node's two ranks, and training goes on from where it was, in the same launch, nothing
-    redone (live recovery, jobs/lib/recovery.py). The second crash finds no spare: the launch
+    redone (live recovery, jobs/lib/coordinator.py). The second crash finds no spare: the launch
     ends, and the job goes back to the queue without both nodes, as without live recovery."""
     job_id, out_dir, output = submit_with_a_spare(cluster, mnist_data, tmp_path,
                                                   MAX_STEPS="100000")

@@ -153,7 +153,7 @@ def test_a_launch_that_failed_after_its_training_finished_lost_no_training():
 
 def test_a_live_recovery_is_its_own_share_and_redoes_no_step():
     """A launch that lost a node at t=100 and trained on, its group re-formed 2.5 s after the
-    failure was noticed (jobs/lib/recovery.py's record): those seconds are not training."""
+    failure was noticed (jobs/lib/coordinator.py's record): those seconds are not training."""
     live = dict(RESUMED, log="live", recoveries=[{"noticed": 100.0, "joined_s": 2.5,
                                                   "lost": ["nid002"]}])
     run = {"started": 70.0, "ended": 125.0, "launches": [live]}

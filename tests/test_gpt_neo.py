@@ -223,9 +223,9 @@ def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_ev
     monkeypatch.setenv("XSCALE_NODE_MTBF_H", "100")
     proposals = []
 
-    def vote(watch=None, **proposal):  # the all-reduce's sum: rank 0's 1200, the others' 0
+    def vote(watch=None, proposal=None):  # the all-reduce's sum: rank 0's 1200, the others' 0
         proposals.append(proposal)
-        return False, {"every": 1200.0} if "every" in proposal else {}
+        return runtime.Vote(stop=False, every=None if proposal is None else 1200)
 
     monkeypatch.setattr(hf.runtime, "vote", vote)
     for is_main in (True, False):
@@ -243,7 +243,7 @@ def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_ev
                 tally.saved(step, 0.5)  # Trainer's save, timed by _TrainCall
         assert asked == [10, 30]  # the timed save, and the last step's
         # Young: sqrt(2 x 0.5 s x 100 h / 4 nodes) = 300 s, at 0.25 s a step 1200 steps.
-        assert proposals == [{}, {"every": 1200.0 if is_main else 0.0}, {}], proposals
+        assert proposals == [None, runtime.Proposal(1200.0 if is_main else 0.0), None], proposals
         assert state.save_steps == auto.every == 1200  # what the vote handed back
     lines = [line for line in capsys.readouterr().out.splitlines() if "auto" in line]
     assert lines == ["xscale: --save-steps auto: every 1200 steps (300.0 s): a save stops "

@@ -57,13 +57,13 @@ def test_user_error_in_a_real_process_has_no_traceback(tmp_path):
 def test_stop_signal_sets_the_flag_and_the_vote_sees_it(stop_handlers, signum):
     lifecycle.install_stop_handlers()
     assert lifecycle.stop_received() is None
-    assert runtime.vote() == (False, {})
+    assert runtime.vote() == runtime.Vote(stop=False, every=None)
     os.kill(os.getpid(), signum)
     deadline = time.monotonic() + 5
     while lifecycle.stop_received() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # the handler runs between bytecodes of the main thread
     assert lifecycle.stop_received() == signum
-    assert runtime.vote() == (True, {})
+    assert runtime.vote() == runtime.Vote(stop=True, every=None)
     assert lifecycle.signal_name(lifecycle.stop_received()) == signal.Signals(signum).name
 
 

@@ -42,11 +42,91 @@ def test_pip_install_from_the_checkout_gives_the_package_and_its_command(tmp_pat
                 cwd=tmp_path)
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
+    packaged = sorted(path.relative_to(REPO / "python").as_posix()
+                      for path in (REPO / "python" / "xscale").rglob("*.py"))
+    listed = run(venv / "bin" / "python", "-c", "import importlib.util, sys; print(*(m for m in "
+                 "sys.argv[1:] if importlib.util.find_spec(m) is None))",
+                 *(name[:-len(".py")].replace("/", ".").removesuffix(".__init__")
+                   for name in packaged), cwd=tmp_path)
+    assert listed.stdout.strip() == "", f"modules missing from the wheel: {listed.stdout}"
     help_text = run(venv / "bin" / "xscale", "--help")
     assert help_text.returncode == 0, help_text.stderr
     assert "report" in help_text.stdout and "goodput-model" in help_text.stdout
     model = run(venv / "bin" / "xscale", "goodput-model", "--nodes", "64", "--runs", "1")
     assert model.returncode == 0 and "0 spares:" in model.stdout, model.stderr
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Every module of python/xscale and the xscale modules it imports, anywhere in it (an
+    import inside a function counts: it would hide a circle, not remove it)."""
+    root = REPO / "python" / "xscale"
+    files = {".".join(("xscale", *path.relative_to(root).with_suffix("").parts))
+             .removesuffix(".__init__"): path for path in root.rglob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "xscale":
+                for alias in node.names:  # `from xscale.recovery import link`: the submodule
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in files else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] == "xscale"}
+        graph[module] = found - {module}
+    return graph
+
+
+def architecture_layers() -> dict[str, int]:
+    """Each module's layer, from docs/ARCHITECTURE.md's "Layers of the package" block: one line
+    a layer, bottom first, `N name: module module ...`."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("<!-- layers -->")[1]
+    layers = {}
+    for line in block.strip().strip("`").strip().splitlines():
+        number, _, modules = line.partition(":")
+        for module in modules.split():
+            layers["xscale" if module == "xscale" else f"xscale.{module}"] = int(
+                number.split()[0])
+    return layers
+
+
+def test_the_package_imports_one_way_down_its_layers():
+    """No module imports one of a higher layer than its own (docs/ARCHITECTURE.md), and no
+    modules import each other in a circle: a maintainer adding to one layer reads only the
+    layers below. Every module has its layer."""
+    graph, layers = package_imports(), architecture_layers()
+    assert sorted(graph) == sorted(layers), "modules and docs/ARCHITECTURE.md's layers differ"
+    upward = [f"{module} (layer {layers[module]}) imports {target} (layer {layers[target]})"
+              for module, targets in graph.items() for target in targets
+              if layers[target] > layers[module]]
+    assert upward == []
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"an import circle: {' -> '.join((*path, module))}"
+        if module not in done:
+            for target in graph[module]:
+                visit(target, (*path, module))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
+def test_a_circle_or_an_upward_import_fails_the_layer_test(monkeypatch):
+    """The check above can fail: dist importing the loop is named, and a circle is found."""
+    graph = package_imports()
+    monkeypatch.setitem(graph, "xscale.dist", graph["xscale.dist"] | {"xscale.runtime"})
+    monkeypatch.setattr(sys.modules[__name__], "package_imports", lambda: graph)
+    with pytest.raises(AssertionError, match="xscale.dist .layer 3. imports xscale.runtime"):
+        test_the_package_imports_one_way_down_its_layers()
+    monkeypatch.setitem(graph, "xscale.dist", graph["xscale.dist"] - {"xscale.runtime"}
+                        | {"xscale.reductions"})
+    layers = architecture_layers()
+    monkeypatch.setattr(sys.modules[__name__], "architecture_layers",
+                        lambda: {**layers, "xscale.dist": layers["xscale.reductions"]})
+    with pytest.raises(AssertionError, match="an import circle"):
+        test_the_package_imports_one_way_down_its_layers()
 
 
 def test_the_command_names_an_unknown_subcommand_in_one_line():

@@ -1,5 +1,5 @@
-"""xscale.profiling: the window opens and closes at the configured steps; xscale.profiles: what
-a profile holds, read back."""
+"""xscale.profile_window: the window opens and closes at the configured steps;
+xscale.profile_report: what a profile holds, read back."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from xscale import profiles, profiling
+from xscale import profile_report, profile_window
 from xscale.lifecycle import UserError
 
 # ---------------------------------------------------------------------------------------------
@@ -20,7 +20,7 @@ from xscale.lifecycle import UserError
 
 
 def test_no_profiling_variables_means_no_window():
-    window = profiling.window_from_env(0, torch.device("cpu"), {})
+    window = profile_window.window_from_env(0, torch.device("cpu"), {})
     assert window.mode == "off"
     for step in range(5):
         window.step(step)
@@ -29,7 +29,7 @@ def test_no_profiling_variables_means_no_window():
 
 def test_external_window_is_active_exactly_for_its_steps():
     env = {"XSCALE_PROFILED": "1", "PROFILE_STEP_START": "2", "PROFILE_STEPS": "3"}
-    window = profiling.window_from_env(0, torch.device("cpu"), env)
+    window = profile_window.window_from_env(0, torch.device("cpu"), env)
     active = []
     for step in range(8):
         window.step(step)
@@ -43,7 +43,7 @@ def test_torch_profiler_writes_this_ranks_trace_and_summarises_it_at_the_end(tmp
     start = first_step + 2
     env = {"XSCALE_TORCH_PROFILER": "1", "PROFILE_STEP_START": str(start), "PROFILE_STEPS": "2",
            "PROFILE_DIR": str(tmp_path)}
-    window = profiling.window_from_env(3, torch.device("cpu"), env)
+    window = profile_window.window_from_env(3, torch.device("cpu"), env)
     model = nn.Linear(8, 8)
     for step in range(first_step, first_step + 6):
         window.step(step)
@@ -62,7 +62,7 @@ def test_torch_profiler_writes_this_ranks_trace_and_summarises_it_at_the_end(tmp
 
 def test_an_external_profilers_rank_says_where_its_files_go(tmp_path, capsys):
     env = {"XSCALE_PROFILED": "1", "PROFILE_DIR": str(tmp_path)}
-    window = profiling.window_from_env(0, torch.device("cpu"), env)
+    window = profile_window.window_from_env(0, torch.device("cpu"), env)
     window.close()
     window.close()  # Trainer may end training twice: said once
     said = capsys.readouterr().err.splitlines()
@@ -96,13 +96,13 @@ def device_trace(path: Path) -> Path:
             span("ncclDevKernel_AllReduce_Sum_f32_RING_LL", offset + 30, offset + 85, tid=8,
                  cat="kernel"),
         ]
-    path.write_text(json.dumps({"distributedInfo": {"rank": 5}, profiles.FIRST_STEP: 10,
+    path.write_text(json.dumps({"distributedInfo": {"rank": 5}, profile_report.FIRST_STEP: 10,
                                 "traceEvents": events}))
     return path
 
 
 def test_a_device_trace_splits_each_moment_once_and_names_the_collectives(tmp_path):
-    summary = profiles.summarise(device_trace(tmp_path / "rank5.1.pt.trace.json"))
+    summary = profile_report.summarise(device_trace(tmp_path / "rank5.1.pt.trace.json"))
     assert summary.shares == pytest.approx({"data": 0.05, "compute": 0.4, "communication": 0.45,
                                             "other": 0.1})
     assert (summary.rank, summary.first_step, summary.steps) == (5, 14, 2)
@@ -123,7 +123,7 @@ def test_a_profile_directory_names_each_profilers_files_and_what_opens_them(tmp_
     for name in ("rank3.svg", "rank0.nsys-rep", "rank1/results.stats.csv", "rank1/results.json"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text("x")
-    text = profiles.describe(tmp_path)
+    text = profile_report.describe(tmp_path)
     assert "xscale: profile of rank 5, steps 14-15" in text
     assert f"{tmp_path / 'rank3.svg'}: a py-spy flame graph; open it with a web browser" in text
     assert f"nsys stats {tmp_path / 'rank0.nsys-rep'}" in text
@@ -135,18 +135,19 @@ def test_a_profile_dir_that_cannot_be_made_is_a_user_error_before_training(tmp_p
     (tmp_path / "file").write_text("")
     env = {"XSCALE_TORCH_PROFILER": "1", "PROFILE_DIR": str(tmp_path / "file" / "prof")}
     with pytest.raises(UserError, match="PROFILE_DIR '.*' cannot be created: Not a directory"):
-        profiling.window_from_env(0, torch.device("cpu"), env)
+        profile_window.window_from_env(0, torch.device("cpu"), env)
 
 
 @pytest.mark.parametrize("name, value", [("PROFILE_STEPS", "0"), ("PROFILE_STEP_START", "ten")])
 def test_bad_profile_variables_are_user_errors(name, value):
     with pytest.raises(UserError, match=name):
-        profiling.window_from_env(0, torch.device("cpu"), {"XSCALE_PROFILED": "1", name: value})
+        profile_window.window_from_env(0, torch.device("cpu"),
+                                       {"XSCALE_PROFILED": "1", name: value})
 
 
 def test_reading_profiles_back_needs_no_torch():
     """`xscale report --profile` runs on a login node, where torch may not be installed."""
-    code = ("import sys, xscale.report, xscale.profiles; "
+    code = ("import sys, xscale.report, xscale.profile_report; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)

@@ -1,4 +1,4 @@
-"""Live recovery (jobs/lib/recovery.py, python/xscale/recovery.py) with three real processes on
+"""Live recovery (jobs/lib/coordinator.py, python/xscale/recovery/) with three real processes on
 a real gloo group and the real coordinator, here, without Slurm: each rank claims a node of its
 own (SLURMD_NODENAME), and the coordinator's replace() starts the replacement as the supervisor
 would on a spare. The test bed's runs with a crashed and a frozen node are in
@@ -20,8 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 from xscale import contract
-from xscale import recovery as rank_side
 from xscale.data import ResumableSampler
+from xscale.recovery import ddp as ddp_kind
+from xscale.recovery import link as rank_link
+from xscale.recovery import live
 
 from tests.conftest import REPO
 from tests.helpers import free_port, host_module, rank_env, results_of
@@ -44,7 +46,7 @@ def expected_batches(rank: int) -> dict[str, float]:
 # The rank held a step behind: the source of the state (the lowest survivor), or another.
 @pytest.mark.parametrize("held", [0, 1], ids=["source-behind", "survivor-behind"])
 def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, held: int):
-    recovery = host_module("recovery")
+    host_side = host_module("coordinator")
     port, started = free_port(), {}
 
     def env(rank: int, node: str, **extra: str) -> dict[str, str]:
@@ -61,7 +63,7 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, he
         started["replacement"] = start(2, "n3", XSCALE_RECOVERY_JOIN=str(generation))
         return ["n3"]
 
-    coordinator = recovery.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
+    coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
     coordinator.start()
     try:
         ranks = [start(rank, f"n{rank}") for rank in range(3)]
@@ -94,15 +96,15 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, he
 
 
 def hello(rank: int) -> bytes:
-    """A fake rank's first message, as xscale.recovery.Link sends it (pid: the rank)."""
-    return contract.message(contract.HELLO, rank=rank, node=f"n{rank}", pid=rank, generation=0)
+    """A fake rank's first message, as xscale.recovery.link's Link sends it (pid: the rank)."""
+    return contract.encode(contract.Hello(rank=rank, node=f"n{rank}", pid=rank, generation=0))
 
 
 def test_a_loop_live_recovery_cannot_serve_falls_back_with_its_reason_not_no_survivor():
     """Ranks that said at their start why live recovery cannot serve them (here: a model of the
     script's own DDP class, as LUMI's container test has): when one dies, the coordinator falls
     back at once with those words, not with "no rank survived" after the leave window."""
-    recovery = host_module("recovery")
+    host_side = host_module("coordinator")
     gave_up = threading.Event()
     reasons: list[str] = []
 
@@ -110,15 +112,15 @@ def test_a_loop_live_recovery_cannot_serve_falls_back_with_its_reason_not_no_sur
         reasons.append(why)
         gave_up.set()
 
-    coordinator = recovery.Coordinator(2, lambda nodes, generation: ["n9"], give_up,
-                                       heartbeat_s=30.0)
+    coordinator = host_side.Coordinator(2, lambda nodes, generation: ["n9"], give_up,
+                                        heartbeat_s=30.0)
     coordinator.start()
     port = int(coordinator.address.rsplit(":", 1)[1])
     ranks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
     try:
         why = "the loop's model is a DistributedDataParallel of the script's own"
         for rank, connection in enumerate(ranks):
-            connection.sendall(hello(rank) + contract.message(contract.NOT_LIVE, why=why))
+            connection.sendall(hello(rank) + contract.encode(contract.NotLive(why=why)))
         with coordinator.changed:  # each connection is read by a thread of its own
             assert coordinator.changed.wait_for(lambda: len(coordinator.peers) == 2 and all(
                 peer.not_live for peer in coordinator.peers.values()), timeout=10)
@@ -142,38 +144,37 @@ def test_a_loop_without_torch_ddp_says_why_it_cannot_be_recovered_live(monkeypat
         def not_live(self, why: str) -> None:
             said.append(why)
 
-    monkeypatch.setattr(rank_side, "_link", Link())
+    monkeypatch.setattr(rank_link, "_link", Link())
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert rank_side.for_loop(model, optimizer, 1, "gloo", torch.device("cpu")) == (None, said[0])
+    ctx = None  # a kind of recovery is made only when the loop qualifies
+    assert live.for_loop(ctx, model, optimizer, 1) == (None, said[0])
     assert said[0].startswith("the loop's model is a torch.nn.modules.linear.Linear, not "
                               "torch's DistributedDataParallel"), said
-    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", nn.Linear)  # a DDP, for the check
-    assert rank_side.for_loop(model, None, 1, "gloo", torch.device("cpu"))[1].startswith(
-        "the loop was given no optimizer")
-    assert "accumulates 4 micro-batches" in rank_side.for_loop(
-        model, optimizer, 4, "gloo", torch.device("cpu"))[1]
-    monkeypatch.setattr(rank_side, "_link", None)
-    assert rank_side.for_loop(model, optimizer, 4, "gloo", torch.device("cpu")) == (None, None)
+    monkeypatch.setattr(ddp_kind, "DDP", nn.Linear)  # a DDP, for the checks that follow
+    assert live.for_loop(ctx, model, None, 1)[1].startswith("the loop was given no optimizer")
+    assert "accumulates 4 micro-batches" in live.for_loop(ctx, model, optimizer, 4)[1]
+    monkeypatch.setattr(rank_link, "_link", None)
+    assert live.for_loop(ctx, model, optimizer, 4) == (None, None)
 
 
 def test_a_collective_that_fails_after_the_training_ended_is_no_recovery():
-    """BYE said, a rank's evaluation lost its peer: the training is over, and what follows is
+    """Bye said, a rank's evaluation lost its peer: the training is over, and what follows is
     the launch's end to judge (docs/FAILURES.md, "A finished training is not a failed job")."""
-    recovery = host_module("recovery")
-    coordinator = recovery.Coordinator(2, lambda nodes, generation: ["n9"], lambda why: None,
-                                       heartbeat_s=30.0)
+    host_side = host_module("coordinator")
+    coordinator = host_side.Coordinator(2, lambda nodes, generation: ["n9"], lambda why: None,
+                                        heartbeat_s=30.0)
     coordinator.start()
     port = int(coordinator.address.rsplit(":", 1)[1])
     ranks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
     try:
         for rank, connection in enumerate(ranks):
-            connection.sendall(hello(rank) + contract.message(contract.LIVE)
-                               + contract.message(contract.BYE))
-        # The coordinator reads a connection's messages in order: JOINED marks the BROKEN read.
-        ranks[1].sendall(contract.message(contract.BROKEN, generation=0,
-                                          why="Connection closed by peer")
-                         + contract.message(contract.JOINED, generation=7))
+            connection.sendall(hello(rank) + contract.encode(contract.Live())
+                               + contract.encode(contract.Bye()))
+        # The coordinator reads a connection's messages in order: Joined marks the Broken read.
+        ranks[1].sendall(contract.encode(contract.Broken(generation=0,
+                                                         why="Connection closed by peer"))
+                         + contract.encode(contract.Joined(generation=7)))
         with coordinator.changed:
             assert coordinator.changed.wait_for(
                 lambda: 1 in coordinator.peers and coordinator.peers[1].joined == 7, timeout=10)

@@ -130,7 +130,7 @@ def test_slurm_falls_back_to_nprocs_and_job_nodelist(tmp_path):
 
 def test_a_replacement_step_takes_the_lost_nodes_ranks(tmp_path):
     """Live recovery's step on a spare: task 1 of 2 on its one node, standing in for node 1 of
-    3 (jobs/lib/recovery.py), is rank 3 of 6; a malformed value stops it in one line."""
+    3 (jobs/lib/coordinator.py), is rank 3 of 6; a malformed value stops it in one line."""
     slurm = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
              "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NNODES": "1",
              "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "nid[001-004]"}

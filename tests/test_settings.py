@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from xscale import __main__ as cli
-from xscale import checkpoint, dist, profiling, settings, stragglers
+from xscale import checkpoint, dist, profile_window, settings, stragglers
 from xscale.lifecycle import UserError
 
 from tests.conftest import REPO
@@ -160,7 +160,7 @@ def test_a_name_the_table_lacks_is_a_mistake_in_the_code():
     lambda env: checkpoint.node_mtbf_hours(env),
     lambda env: dist.timeout_from_env(env),
     lambda env: stragglers.settings(env),
-    lambda env: profiling.window_from_env(0, torch.device("cpu"), env),
+    lambda env: profile_window.window_from_env(0, torch.device("cpu"), env),
 ], ids=["mode", "writers", "mtbf", "timeout", "stragglers", "profiling"])
 def test_the_readers_go_through_the_table(read):
     """Each converted reader gives the table's default, and refuses the table's bad value."""

@@ -21,7 +21,7 @@ from tests.helpers import JOBS_LIB, assert_python36_code, find_python36, host_mo
 # Everything the batch host runs or imports in Python.
 HOST_PYTHON = [*(JOBS_LIB / f"{name}.py" for name in ("supervisor", "failure_report", "shared",
                                                       "hangs", "launches", "allocation", "goodput",
-                                                      "attempt", "launch_line", "recovery")),
+                                                      "attempt", "launch_line", "coordinator")),
                JOBS_LIB / "stage", JOBS_LIB / "stage-node",
                REPO / "runscripts" / "lib" / "rank_stack.py",
                *(REPO / "python" / "xscale" / f"{name}.py" for name in ("taglines", "archive",

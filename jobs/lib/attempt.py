@@ -27,7 +27,7 @@ class Launch:
         self.log, self.nodes, self.launched = log, nodes, launched
         self.status, self.ended = status, ended
         self.reported, self.blamed = reported, blamed
-        self.recoveries = list(recoveries)  # live recoveries (jobs/lib/recovery.py)
+        self.recoveries = list(recoveries)  # live recoveries (jobs/lib/coordinator.py)
 
     def ended_with(self, status):
         self.status, self.ended = status, time.time()

@@ -17,7 +17,7 @@ training was held up, the end). From them, in seconds:
     restarts     a failed launch's last sign of progress to its end (the failure being noticed:
                  a collective timeout, Slurm's SlurmdTimeout), and from there to the next
                  launch in the same allocation
-    recovery     live recoveries (jobs/lib/recovery.py): from a failure noticed to the group
+    recovery     live recoveries (jobs/lib/coordinator.py): from a failure noticed to the group
                  re-formed with the replacement, in training that was kept (one in work that a
                  later failure threw away is lost work); no step is lost
     other        the rest: staging, evaluation, the script's own set-up and clean-up

@@ -36,10 +36,10 @@ import subprocess
 import sys
 import time
 
+import coordinator
 import failure_report
 import goodput
 import hangs
-import recovery
 from allocation import Allocation, AllocationError
 from attempt import Attempt
 from launch_line import LaunchLine
@@ -235,12 +235,12 @@ def command_launch(settings, stop_file, line):
 
 
 def live_launch(settings, allocation, line, log):
-    """Live recovery for this launch (jobs/lib/recovery.py), when there are spares to recover
+    """Live recovery for this launch (jobs/lib/coordinator.py), when there are spares to recover
     with and a launch line the supervisor builds (a replacement runs its line on a spare)."""
     if not (settings.spares and settings.live_recovery and line.built
             and allocation.per_node and len(allocation.launch_nodes) > 1):
         return None
-    return recovery.LiveLaunch(allocation, line, log, settings.heartbeat_s)
+    return coordinator.LiveLaunch(allocation, line, log, settings.heartbeat_s)
 
 
 def restart(settings, attempt, allocation, blamed):

@@ -2,7 +2,7 @@
 `xscale` (pyproject.toml) and also run as `python -m xscale`.
 
     xscale report JOB_OUTPUT|SUMMARY.json [--png]   a run's readable summary (xscale.report)
-    xscale report --profile PROFILE_DIR             its profile summarised (xscale.profiles)
+    xscale report --profile PROFILE_DIR             its profile summarised (xscale.profile_report)
     xscale goodput-model [--nodes N ...]            requeue against spares over a long campaign
                                                     (xscale.goodput_model, docs/GOODPUT.md)
     xscale settings [--markdown]                    every XSCALE_* setting, its default and

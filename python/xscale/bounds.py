@@ -1,6 +1,6 @@
 """What limits a step, and what to do about it: the parts of a step, the advice for each bound
 and the verdict line, shared by the step clock (xscale.steptime) and the profile summary
-(xscale.profiles). No torch here: `xscale report --profile` runs where torch is not installed.
+(xscale.profile_report). No torch here: `xscale report --profile` runs where torch is not installed.
 """
 
 from __future__ import annotations

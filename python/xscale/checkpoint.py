@@ -33,15 +33,15 @@ import time
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from xscale import dcp_checkpoint, settings
+from xscale.dist import unwrap
 from xscale.lifecycle import UserError
-from xscale.runlog import unwrap
 
 PATTERN = re.compile(r"^ckpt-(\d+)\.(pt|dcp)$")
 TEMP_PREFIX = ".ckpt-"
@@ -405,6 +405,35 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
+
+
+class Saver(Protocol):
+    """How a loop saves, whichever format: `saver(step, epoch)` saves STEP (or starts its
+    background write) and returns where it goes; `wait()` returns once it is published;
+    `last_write_s` is how long the last background write took (0: written in the call)."""
+
+    def __call__(self, step: int, epoch: int) -> object: ...
+
+    def wait(self) -> None: ...
+
+    @property
+    def last_write_s(self) -> float: ...
+
+
+class ForegroundSaver:
+    """A save function that has written when it returns (a script's own `save=`, a DeepSpeed
+    engine's), as a Saver."""
+
+    last_write_s = 0.0
+
+    def __init__(self, save: Callable[[int, int], object]) -> None:
+        self.save = save
+
+    def __call__(self, step: int, epoch: int) -> object:
+        return self.save(step, epoch)
+
+    def wait(self) -> None:
+        """Nothing is written in the background."""
 
 
 class BackgroundWriter:

@@ -23,15 +23,15 @@ The progress events, each {"event": ..., "step": ..., "time": time.time()} plus 
 
 Every launch also gets XSCALE_LAUNCH_T, when the supervisor launched it (docs/STARTUP.md).
 
-Live recovery (docs/FAILURES.md): with spares, the supervisor's coordinator (jobs/lib/recovery.py)
-and the ranks (xscale.recovery) speak over TCP, one JSON object a line, {"kind": KIND, ...}.
-A rank says HELLO (rank, node, pid, generation), then LIVE once its loop can re-enter (or
-NOT_LIVE, with why not), BEAT every few seconds, BROKEN when a collective of its generation
-failed, LEFT once it left that group, STORE (the address of the store it hosts when asked),
-JOINED, and BYE at its end, or FAILED (an error of its own). The coordinator says ABORT (leave
-generation G now), HOST_STORE (host the next generation's store), JOIN (form generation G on
-that store; state from rank SOURCE) and FALLBACK (no live recovery: exit, the usual restart or
-requeue follows).
+Live recovery (docs/FAILURES.md): with spares, the supervisor's coordinator
+(jobs/lib/coordinator.py) and each rank's link (xscale.recovery.link) speak over TCP, one JSON
+object a line, {"kind": KIND, ...}: one type below per message, its fields named there. A rank
+says Hello, then Live once its training can leave a broken step and re-enter (or NotLive, with
+why not), Beat every few seconds, Broken when a collective of its generation failed, Left once
+it left that group, Store (the address of the store it hosts when asked), Joined, and Bye at its
+end, or Failed (an error of its own). The coordinator says Abort (leave generation G now),
+HostStore (host the next generation's store), Join (form generation G on that store; state from
+rank SOURCE) and Fallback (no live recovery: exit, the usual restart or requeue follows).
 
 Standard library only, and Python 3.6: the host's programs load this file by path
 (jobs/lib/shared.py), where the package itself does not import.
@@ -39,7 +39,9 @@ Standard library only, and Python 3.6: the host's programs load this file by pat
 
 import json
 import os
+import socket
 import time
+from typing import NamedTuple
 
 # Variables the supervisor hands to every rank of a launch.
 FR_DIR_VAR = "XSCALE_FR_DIR"
@@ -63,27 +65,112 @@ RELEASED = "released"  # FLIGHT_RECORDS/released
 FIRST_STEP, INTERVAL, CHECKPOINT, END = "first_step", "interval", "checkpoint", "end"
 
 # Live recovery's messages: a rank's, then the coordinator's.
-HELLO, LIVE, NOT_LIVE, BEAT, BROKEN, LEFT, STORE, JOINED, BYE, FAILED = (
-    "hello", "live", "not_live", "beat", "broken", "left", "store", "joined", "bye", "failed")
-ABORT, HOST_STORE, JOIN, FALLBACK = "abort", "host_store", "join", "fallback"
+class Hello(NamedTuple):
+    rank: int
+    node: str
+    pid: int
+    generation: int  # 0, or the generation a replacement joins (JOIN_VAR)
 
 
-def message(kind, **fields):
+class Live(NamedTuple):
+    pass
+
+
+class NotLive(NamedTuple):
+    why: str
+
+
+class Beat(NamedTuple):
+    pass
+
+
+class Broken(NamedTuple):
+    generation: int
+    why: str
+
+
+class Left(NamedTuple):
+    generation: int
+
+
+class Store(NamedTuple):
+    address: list  # [host, port]
+
+
+class Joined(NamedTuple):
+    generation: int
+
+
+class Bye(NamedTuple):
+    pass
+
+
+class Failed(NamedTuple):
+    why: str
+
+
+class Abort(NamedTuple):
+    generation: int
+
+
+class HostStore(NamedTuple):
+    generation: int
+
+
+class Join(NamedTuple):
+    generation: int
+    store: list  # [host, port]
+    source: int  # the rank whose state every rank takes
+
+
+class Fallback(NamedTuple):
+    why: str
+
+
+MESSAGES = {"hello": Hello, "live": Live, "not_live": NotLive, "beat": Beat, "broken": Broken,
+            "left": Left, "store": Store, "joined": Joined, "bye": Bye, "failed": Failed,
+            "abort": Abort, "host_store": HostStore, "join": Join, "fallback": Fallback}
+KIND_OF = {kind_type: kind for kind, kind_type in MESSAGES.items()}
+
+
+def encode(message):
     """One message of live recovery, as the bytes of its line."""
-    return (json.dumps(dict(fields, kind=kind)) + "\n").encode()
+    fields = dict(message._asdict(), kind=KIND_OF[type(message)])
+    return (json.dumps(fields) + "\n").encode()
+
+
+def decode(line):
+    """The message on LINE; ValueError if it is none (not JSON, an unknown kind, its fields
+    not the kind's)."""
+    fields = json.loads(line.decode())
+    if not isinstance(fields, dict):
+        raise ValueError("not a message: %r" % (fields,))
+    kind_type = MESSAGES.get(fields.pop("kind", None))
+    if kind_type is None:
+        raise ValueError("no such kind of message")
+    try:
+        return kind_type(**fields)
+    except TypeError as error:
+        raise ValueError(str(error)) from None
 
 
 def read_messages(stream):
-    """The messages on STREAM (a socket's file, in binary), until it closes; a line that does
-    not parse ends it too (its sender is broken)."""
+    """The messages on STREAM (a socket's file, in binary), until it closes; a line that is no
+    message ends it too (its sender is broken)."""
     try:
         for line in stream:
             try:
-                yield json.loads(line.decode())
+                yield decode(line)
             except ValueError:
                 return
     except OSError:  # reset: its process was killed
         return
+
+
+def node_name():
+    """The node this process runs on, as Slurm names it (the name in squeue and in the
+    supervisor's records), else the host's name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def launch_file(log, suffix):

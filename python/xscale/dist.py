@@ -15,9 +15,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from xscale import recovery, settings
+from xscale import settings
 from xscale.lifecycle import UserError
+from xscale.recovery import link as links
 
 DEFAULT_TIMEOUT_S = settings.setting("XSCALE_TIMEOUT_S").default
 
@@ -284,17 +286,29 @@ def init_distributed(
     use_device(device)
     if not dist.is_initialized():
         register_backend(backend)
-        recovery.connect(where.rank, where.world_size)  # with spares (xscale.recovery)
-        if recovery.joining():  # a replacement: the group is the survivors'
-            recovery.build_ddp_without_start_sync()
-            recovery.join_group(backend, where.rank, where.world_size, timeout, device)
-            return DistContext.at(where, device, backend)
-        options: dict = {"backend": backend, "rank": where.rank,
-                         "world_size": where.world_size, "timeout": timeout, **rendezvous}
-        if backend in EAGER_INIT_BACKENDS:
-            options["device_id"] = device
-        dist.init_process_group(**options)
+        links.connect(where.rank, where.world_size)  # with spares (xscale.recovery)
+        if links.joining():  # a replacement: the group is the survivors' next one
+            join_next_group(DistContext.at(where, device, backend), timeout)
+        else:
+            dist.init_process_group(backend=backend, rank=where.rank,
+                                    world_size=where.world_size, timeout=timeout,
+                                    **_eager_init(backend, device), **rendezvous)
     return DistContext.at(where, device, backend)
+
+
+def join_next_group(ctx: DistContext, timeout: timedelta | None = None) -> None:
+    """Form the group that live recovery's coordinator names next, on its store: a replacement
+    at its start, a survivor after leaving the broken one (xscale.recovery)."""
+    link = links.link()
+    store, generation = link.next_store()
+    dist.init_process_group(backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=timeout or timeout_from_env(), store=store,
+                            **_eager_init(ctx.backend, ctx.device))
+    link.formed(generation)
+
+
+def _eager_init(backend: str, device: torch.device) -> dict:
+    return {"device_id": device} if backend in EAGER_INIT_BACKENDS else {}
 
 
 def _rendezvous(init_method: str | None, world_size: int) -> dict:
@@ -318,3 +332,9 @@ def collective_device() -> torch.device:
                             torch.accelerator.current_device_index())
     return torch.device("cpu")
 
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP or a DeepSpeed engine (both keep it in `.module`)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model

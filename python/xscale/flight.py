@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import time
 from pathlib import Path
 
@@ -60,7 +59,7 @@ def write_record(directory: Path, rank: int, error: BaseException) -> Path:
     record = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     record["xscale"] = {
         "error": " ".join(str(error).split())[:400] or type(error).__name__,
-        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "node": contract.node_name(),
         "pid": os.getpid(),
         "job_step": f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}",
     }

@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import flight, lifecycle, profiling, runtime, startup, stragglers
+from xscale import flight, lifecycle, profile_window, runtime, startup, stragglers
 from xscale.dist import (
     DistContext,
     choose_backend,
@@ -195,23 +195,23 @@ class _AutoSaveSteps:
         self.step_s = 0.0
         self.every: int | None = None  # the decision, on every rank
 
-    def at_vote(self, state: TrainerState, control: TrainerControl) -> dict[str, float]:
-        """What this rank adds to the vote: rank 0's interval once its save was timed."""
+    def at_vote(self, state: TrainerState, control: TrainerControl) -> runtime.Proposal | None:
+        """What this rank puts to the vote: rank 0's interval once its save was timed."""
         if self.every is not None:
-            return {}
+            return None
         if self._saves_before is None:
             step_s = self.tally.seconds_per_step(state.global_step)
             if step_s is not None:
                 self.step_s, self._saves_before = step_s, self.tally.saves
                 control.should_save = True
-            return {}
+            return None
         if self.tally.saves == self._saves_before:
-            return {}  # every rank saves at the same step: none has timed it yet
+            return None  # every rank saves at the same step: none has timed it yet
         return self.tally.auto_interval("--save-steps", self.step_s)
 
-    def decided(self, state: TrainerState, shared: dict[str, float]) -> None:
-        if "every" in shared:
-            self.every = state.save_steps = int(shared["every"])
+    def decided(self, state: TrainerState, agreed: runtime.Vote) -> None:
+        if agreed.every is not None:
+            self.every = state.save_steps = agreed.every
 
 
 def _initial_save_steps(max_steps: int, resume_from: str | None) -> int:
@@ -249,12 +249,12 @@ class _StopOnSignal(TrainerCallback):
         if self.watch is not None:
             self.watch.step()
         if last or state.global_step % self.every == 0:
-            proposal = self.auto.at_vote(state, control) if self.auto is not None else {}
-            stop, shared = runtime.vote(watch=self.watch, **proposal)
+            proposal = self.auto.at_vote(state, control) if self.auto is not None else None
+            agreed = runtime.vote(watch=self.watch, proposal=proposal)
             if self.auto is not None:
-                self.auto.decided(state, shared)
+                self.auto.decided(state, agreed)
             self.tally.interval(state.global_step)
-            if stop:
+            if agreed.stop:
                 control.should_save = True
                 control.should_training_stop = True
                 self.stopped_at = state.global_step
@@ -337,7 +337,7 @@ class _ProfileSteps(TrainerCallback):
     Trainer's steps: the window is built before training, so a bad setting fails at once."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
-        self.window = profiling.window_from_env(rank, device)
+        self.window = profile_window.window_from_env(rank, device)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.window.step(state.global_step)  # the 0-based index of the step about to run

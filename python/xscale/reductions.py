@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xscale import recovery
 from xscale.dist import collective_device
+from xscale.recovery import link as links
 
 
 def all_reduce_sums(values: Mapping[str, float | torch.Tensor]) -> dict[str, Any]:
@@ -31,8 +31,8 @@ def all_reduce_sums(values: Mapping[str, float | torch.Tensor]) -> dict[str, Any
              for name in names]
     packed = torch.cat([part.reshape(-1) for part in parts]) if parts else torch.zeros(0)
     if names and dist.is_initialized() and dist.get_world_size() > 1:
-        # With live recovery a lost peer ends the wait at once (recovery.GroupBroken).
-        recovery.wait(dist.all_reduce(packed, op=dist.ReduceOp.SUM, async_op=True))
+        # With live recovery a lost peer ends the wait at once (xscale.recovery.link.GroupBroken).
+        links.wait(dist.all_reduce(packed, op=dist.ReduceOp.SUM, async_op=True))
     flat, sums, offset = packed.tolist(), {}, 0
     for name, part in zip(names, parts, strict=True):
         size = part.numel()

@@ -1,6 +1,6 @@
 """Readable summary of a finished run: `xscale report JOB_OUTPUT_FILE [--png]`, or
 `xscale report OUTPUT_DIR/xscale-summary.json` (also `python -m xscale.report ...`); its profile:
-`xscale report --profile PROFILE_DIR` (xscale.profiles).
+`xscale report --profile PROFILE_DIR` (xscale.profile_report).
 
 Reads the machine-readable lines a trainer prints (XSCALE_SUMMARY from rank 0, XSCALE_RANK from
 every rank), run.sh's `xscale: launcher=...` line and the supervisor's XSCALE_GOODPUT, and
@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from xscale import profiles, startup, taglines
+from xscale import profile_report, startup, taglines
 
 
 class ReportError(Exception):
@@ -180,10 +180,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m xscale.report") -
         parser.error("give a job output file or --profile PROFILE_DIR (one of them)")
     try:
         if args.profile is not None:
-            print(profiles.describe(args.profile))
+            print(profile_report.describe(args.profile))
         else:
             report(args.output, args.png)
-    except (ReportError, profiles.ProfileError) as error:
+    except (ReportError, profile_report.ProfileError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     return 0

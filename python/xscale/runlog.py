@@ -19,7 +19,6 @@ import hashlib
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from xscale.dist import unwrap
 from xscale.reductions import SumMeter
 
 RANK_TAG = "XSCALE_RANK"
@@ -137,18 +137,6 @@ class TrainLog:
 
 
 # ---- the records a run leaves ----------------------------------------------------------------
-
-
-def node_name() -> str:
-    """Slurm's name for this node (nid001234 on LUMI), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP or a DeepSpeed engine (both keep it in `.module`)."""
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
 
 
 def param_digest(model: nn.Module) -> str:

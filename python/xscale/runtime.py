@@ -35,8 +35,9 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -46,12 +47,11 @@ from xscale import (
     checkpoint,
     contract,
     data,
-    ds,
+    engine_checkpoint,
     flight,
     lifecycle,
-    profiling,
+    profile_window,
     progress,
-    recovery,
     runlog,
     settings,
     startup,
@@ -60,6 +60,10 @@ from xscale import (
 )
 from xscale.dist import DistContext, init_distributed
 from xscale.lifecycle import UserError
+from xscale.recovery import ddp as ddp_recovery
+from xscale.recovery import live
+from xscale.recovery.link import GroupBroken
+from xscale.recovery.protocol import Position
 from xscale.reductions import all_reduce_sums, gather_to_rank0
 from xscale.throughput import Throughput
 
@@ -87,6 +91,7 @@ def start(*, backend: str | None = None, init_method: str | None = None,
     lifecycle.on_failure(flight.record_failure)
     ctx = init_distributed(backend=backend, init_method=init_method, require_gpu=require_gpu,
                            **placement)
+    ddp_recovery.prepare_replacement()  # before the script builds its DDP model
     warn_misspelled_settings(ctx.is_main)
     startup.mark("group")
     return ctx
@@ -119,20 +124,37 @@ def first_step_done(device: torch.device) -> None:
     startup.mark("first_step")
 
 
+class Proposal(NamedTuple):
+    """A checkpoint interval put to a vote (auto): rank 0's in steps, 0 from the other ranks
+    (the all-reduce hands rank 0's to all), and 0 from a rank 0 that has timed no step yet."""
+
+    every: float
+
+
+class Vote(NamedTuple):
+    """What the ranks agreed at a vote: whether to stop, and the checkpoint interval when one
+    was proposed and decided (None: none)."""
+
+    stop: bool
+    every: int | None
+
+
 def vote(reduce: Callable[..., dict[str, Any]] | None = None,
          watch: stragglers.StragglerWatch | None = None,
-         **shared: float) -> tuple[bool, dict[str, Any]]:
-    """Whether any rank received a stop signal, and SHARED summed over the ranks: a collective,
-    all ranks at the same step. `reduce(stop=flag, ...)` sums the flag over ranks along with
-    other sums (TrainLog.flush); by default it is one all_reduce. The straggler watch's vector
-    travels in the same one."""
-    extra: dict[str, Any] = {"stop": 0.0 if lifecycle.stop_received() is None else 1.0, **shared}
+         proposal: Proposal | None = None) -> Vote:
+    """Whether any rank received a stop signal, and the interval PROPOSAL agreed: a collective,
+    all ranks at the same step, each with a proposal or none alike (the sizes must match).
+    `reduce(stop=flag, ...)` sums the flag over ranks along with other sums (TrainLog.flush); by
+    default it is one all_reduce. The straggler watch's vector travels in the same one."""
+    shared: dict[str, Any] = {"stop": 0.0 if lifecycle.stop_received() is None else 1.0}
+    if proposal is not None:
+        shared["every"] = proposal.every
     if watch is not None:
-        extra["work"] = watch.contribution()
-    sums = all_reduce_sums(extra) if reduce is None else reduce(**extra)
+        shared["work"] = watch.contribution()
+    sums = all_reduce_sums(shared) if reduce is None else reduce(**shared)
     if watch is not None:
         watch.observe(sums["work"])
-    return sums["stop"] > 0, {name: sums[name] for name in shared}
+    return Vote(stop=sums["stop"] > 0, every=int(sums["every"]) if sums.get("every") else None)
 
 
 def stop_agreed() -> bool:
@@ -144,7 +166,7 @@ def stop_agreed() -> bool:
             save_my_checkpoint(); break
 
     xscale.start() (or xscale.catch_stop_signals()) must have caught the signals first."""
-    return vote()[0]
+    return vote().stop
 
 
 def stop_message(prog: str, step: int, saved: object | None) -> str:
@@ -214,36 +236,60 @@ class RunTally:
         return (time.perf_counter() - first_end) / (step - first_step)
 
     def auto_interval(self, option: str, step_s: float | None,
-                      write_s: float = 0.0) -> dict[str, float]:
+                      write_s: float = 0.0) -> Proposal:
         """Rank 0's interval from the last save's cost, as the vote's share (the other ranks
         add 0, the all-reduce hands rank 0's to all); the decision is printed on rank 0. A rank
         0 that has timed no step yet (a replacement) adds 0 too: no decision at this vote."""
         if not self.ctx.is_main or step_s is None:
-            return {"every": 0.0}
+            return Proposal(0.0)
         every, line = checkpoint.auto_decision(option, self.last_stall_s, write_s, step_s,
                                                self.ctx.nnodes, self.node_mtbf_h)
         print(line, flush=True)
-        return {"every": float(every)}
+        return Proposal(float(every))
 
 
 def _saver_and_resume(ctx: DistContext, model: nn.Module, optimizer: Any, scaler: Any,
-                      output_dir: Path | None, keep: int, resume: bool,
-                      fields: dict[str, Any]) -> tuple[Callable[[int, int], Any] | None,
-                                                       int | None]:
+                      config: LoopConfig, resume: bool) -> tuple[checkpoint.Saver | None,
+                                                                 int | None]:
     """How the loop saves, and the step restored from the newest checkpoint (None: a fresh
-    start). A DeepSpeed engine saves and loads through its own checkpointing (xscale.ds), every
-    other model with its optimizer through xscale.checkpoint."""
+    start): the script's own `save=` and `resumed_step`, else a DeepSpeed engine's own
+    checkpointing (xscale.engine_checkpoint), else xscale.checkpoint's with the optimizer."""
+    if config.save is not None:
+        return checkpoint.ForegroundSaver(config.save), config.resumed_step
+    output_dir = config.output_dir
     if output_dir is None:
         return None, None
     if hasattr(model, "save_checkpoint") and hasattr(model, "load_checkpoint"):
-        return ds.saver(model, output_dir, keep), ds.resume(model, output_dir, ctx.rank, resume)
+        return (engine_checkpoint.saver(model, output_dir, config.keep_checkpoints),
+                engine_checkpoint.resume(model, output_dir, ctx.rank, resume))
     if optimizer is None:
         return None, None
     resumed = checkpoint.resume_training(output_dir, model, optimizer, scaler, rank=ctx.rank,
                                          enabled=resume)
     save = checkpoint.training_saver(output_dir, model, optimizer, scaler, is_main=ctx.is_main,
-                                     keep=keep, **fields)
+                                     keep=config.keep_checkpoints,
+                                     **(config.checkpoint_fields or {}))
     return save, resumed
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """xscale.Loop's options, each with its default (Loop's docstring says what each does)."""
+
+    output_dir: Path | None = None
+    epochs: int | None = None
+    max_steps: int | None = None
+    accumulation: int = 1
+    checkpoint_every: int | str = 0
+    keep_checkpoints: int = 3
+    resume: bool = True
+    log_every: int = 10
+    tensorboard_dir: Path | None = None
+    warmup_steps: int | None = 1
+    name: str | None = None
+    checkpoint_fields: dict[str, Any] | None = None
+    save: Callable[[int, int], Any] | None = None
+    resumed_step: int | None = None
 
 
 class Loop:
@@ -251,44 +297,40 @@ class Loop:
     resumes, when it logs, votes on a stop and saves, what it reports.
 
     model: the module trained (DDP-wrapped or not), or a DeepSpeed engine; its own work per
-    step is watched for a straggler (xscale.stragglers). With `output_dir` and an `optimizer`
-    (or an engine), the loop resumes from the newest checkpoint there (unless resume=False)
-    and saves one every `checkpoint_every` steps (0: only at the end and at a stop; "auto":
-    Young's interval from the first save's cost), keeping the newest `keep_checkpoints`; the
-    summary goes there too (xscale-summary.json). epochs, max_steps: where training ends
-    (both: whichever comes first; neither: never). accumulation: micro-batches per optimizer
-    step. log_every: steps between the loss log and the stop vote. tensorboard_dir: the loss
-    curve (default OUTPUT_DIR/tb). warmup_steps: the first steps left out of the rates (None:
-    a tenth of the run, 1 to 5, for a short benchmark run whose first steps search kernels).
-    name: the run's name in the summary (default: the script's file name without .py).
-    checkpoint_fields: more entries for each checkpoint file.
+    step is watched for a straggler (xscale.stragglers). The options (LoopConfig): with
+    `output_dir` and an `optimizer` (or an engine), the loop resumes from the newest checkpoint
+    there (unless resume=False) and saves one every `checkpoint_every` steps (0: only at the
+    end and at a stop; "auto": Young's interval from the first save's cost), keeping the newest
+    `keep_checkpoints`; the summary goes there too (xscale-summary.json). epochs, max_steps:
+    where training ends (both: whichever comes first; neither: never). accumulation:
+    micro-batches per optimizer step. log_every: steps between the loss log and the stop vote.
+    tensorboard_dir: the loss curve (default OUTPUT_DIR/tb). warmup_steps: the first steps left
+    out of the rates (None: a tenth of the run, 1 to 5, for a short benchmark run whose first
+    steps search kernels). name: the run's name in the summary (default: the script's file name
+    without .py). checkpoint_fields: more entries for each checkpoint file.
     A script with checkpoints of its own passes `save(step, epoch)`, called at the cadence
     above (returning where it saved), and `resumed_step`, the step it restored.
     """
 
     def __init__(self, ctx: DistContext, loader: DataLoader, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer | None = None,
-                 scaler: torch.amp.GradScaler | None = None, output_dir: Path | None = None,
-                 epochs: int | None = None, max_steps: int | None = None, accumulation: int = 1,
-                 checkpoint_every: int | str = 0, keep_checkpoints: int = 3, resume: bool = True,
-                 log_every: int = 10, tensorboard_dir: Path | None = None,
-                 warmup_steps: int | None = 1, name: str | None = None,
-                 checkpoint_fields: dict[str, Any] | None = None,
-                 save: Callable[[int, int], Any] | None = None,
-                 resumed_step: int | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, **options: Any) -> None:
+        config = LoopConfig(**options)
         self.ctx, self.model, self.loader = ctx, model, loader
         self.prog = script_name()
-        self.trainer = name or default_run_name()
-        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.trainer = config.name or default_run_name()
+        self.output_dir = None if config.output_dir is None else Path(config.output_dir)
+        config = replace(config, output_dir=self.output_dir)
         self.sampler = _resumable_sampler(loader)
-        self.accumulation, self.batch_size = accumulation, loader.batch_size or 1
-        self.per_epoch = data.steps_per_epoch(self.sampler, self.batch_size, accumulation)
-        self.epochs = epochs
-        self.end_step = data.last_step(self.per_epoch, epochs, max_steps)
-        self.auto_every = checkpoint_every == "auto"
-        self.checkpoint_every = 0 if self.auto_every else int(checkpoint_every)
+        self.accumulation, self.batch_size = config.accumulation, loader.batch_size or 1
+        self.per_epoch = data.steps_per_epoch(self.sampler, self.batch_size, self.accumulation)
+        self.epochs = config.epochs
+        self.end_step = data.last_step(self.per_epoch, config.epochs, config.max_steps)
+        self.auto_every = config.checkpoint_every == "auto"
+        self.checkpoint_every = 0 if self.auto_every else int(config.checkpoint_every)
         checkpoint.checkpoint_mode()  # a bad setting stops the run before its first step
         checkpoint.checkpoint_writers()
+        warmup_steps = config.warmup_steps
         if warmup_steps is None:
             warmup_steps = min(5, max(1, (self.end_step or 10) // 10))
         self.tally = RunTally(ctx, warmup_steps)
@@ -297,18 +339,13 @@ class Loop:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         # With spares, live recovery (xscale.recovery); a replacement takes its state from the
         # survivors, not from a checkpoint. A loop it cannot serve says why, once, now.
-        self.recovery, not_live = recovery.for_loop(model, optimizer, accumulation,
-                                                    ctx.backend, ctx.device)
+        self.live, not_live = live.for_loop(ctx, model, optimizer, self.accumulation)
         if not_live is not None and ctx.is_main:
             print(f"xscale: live recovery is off for this run: {not_live}; a lost node "
                   "restarts the launch on a spare instead (docs/YOUR-SCRIPT.md)", flush=True)
-        joining = self.recovery is not None and recovery.joining()
-        self.save_fn, resumed = save, resumed_step
-        if save is None:
-            self.save_fn, resumed = _saver_and_resume(ctx, model, optimizer, scaler,
-                                                      self.output_dir, keep_checkpoints,
-                                                      resume and not joining,
-                                                      checkpoint_fields or {})
+        joining = self.live is not None and self.live.link.joining
+        self.saver, resumed = _saver_and_resume(ctx, model, optimizer, scaler, config,
+                                                config.resume and not joining)
         self.start_step = self.step = resumed or 0
         self.epoch = self.start_step // self.per_epoch
         self.saved_step, self.saved_path = resumed, None
@@ -317,17 +354,17 @@ class Loop:
         self._voted_at: int | None = None
         self._moved = False  # a live recovery moved this rank to the source's position
         # A replacement takes the survivors' position (and their model) instead of a checkpoint.
-        received = self.recovery.receive() if joining else None
+        received = self.live.receive() if joining else None
         if received is not None:
             self.start_step = self.step = received.step
         self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
-        tensorboard_dir = tensorboard_dir or (self.output_dir and self.output_dir / "tb")
+        tensorboard_dir = config.tensorboard_dir or (self.output_dir and self.output_dir / "tb")
         self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=self.start_step,
-                                   total_steps=self.end_step, log_every=log_every,
+                                   total_steps=self.end_step, log_every=config.log_every,
                                    tensorboard_dir=tensorboard_dir, desc=self.trainer)
         if received is not None:
             self._take_position(received)
-        self.window = profiling.window_from_env(ctx.rank, ctx.device)
+        self.window = profile_window.window_from_env(ctx.rank, ctx.device)
         self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
                                            say=self.log.message)
         if resumed is not None:
@@ -372,7 +409,7 @@ class Loop:
             self.tally.clock.waited_for_data(waited)
             self.window.step(step_index)
             self.epoch = epoch
-            self._sync_buffers()
+            self._before_batch()
             if self._moved:
                 continue  # recovered in the broadcast: this batch may not be the step's now
             yield epoch, batch
@@ -401,7 +438,7 @@ class Loop:
     def record(self, loss: torch.Tensor, samples: int, tokens: int = 0) -> None:
         """After each micro-batch: its loss and size (samples, tokens for language models);
         at a step's end the checkpoint cadence and, every `log_every` steps, the stop vote."""
-        if self.recovery is not None and self.recovery.step_dropped:
+        if self.live is not None and self.live.step_dropped:
             self._recover()  # the step changed nothing: it is not counted
             return
         self.log.add(self.step, loss, samples)
@@ -416,7 +453,7 @@ class Loop:
         if self.step == self.start_step + 1:
             self.tally.first_step(self.step)
         self.log.advance()
-        if self.recovery is not None and self.recovery.broken:
+        if self.live is not None and self.live.broken:
             self._recover()  # broken after this rank's update: its save and vote are gone too
             return
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
@@ -442,63 +479,63 @@ class Loop:
         self._voted_at = self.step
         proposal = self._propose_interval()
         try:
-            stop, shared = vote(self.log.flush, self.stragglers, **proposal)
-        except recovery.GroupBroken:
+            agreed = vote(self.log.flush, self.stragglers, proposal)
+        except GroupBroken:
             # Not voted again: a survivor may still have been in this step's all-reduce (a ring
             # ends on some ranks first), so after the recovery every rank trains on, and votes
             # at the next interval.
             self._recover()
             return
-        if shared.get("every"):  # rank 0's proposal (the others added 0); 0: none yet
-            self.checkpoint_every, self.auto_every = int(shared["every"]), False
-        if stop:
+        if agreed.every is not None:
+            self.checkpoint_every, self.auto_every = agreed.every, False
+        if agreed.stop:
             self.stopped = True
         self.tally.interval(self.step)
 
-    def _propose_interval(self) -> dict[str, float]:
+    def _propose_interval(self) -> Proposal | None:
         """With checkpoint_every auto, at the first vote after a timed step: a save now, and
         rank 0's interval from what it cost, which the vote's all-reduce hands to every rank.
         Whether to propose is decided from the position alone, the same on every rank (a
         replacement has timed no step yet; the vote's sizes must match everywhere)."""
-        if not self.auto_every or self.save_fn is None or self.step - self.log.start_step < 2:
-            return {}
+        if not self.auto_every or self.saver is None or self.step - self.log.start_step < 2:
+            return None
         self._save()
         self._wait_for_writes()
         return self.tally.auto_interval("--checkpoint-every",
                                         self.tally.seconds_per_step(self.step),
-                                        getattr(self.save_fn, "last_write_s", 0.0))
+                                        self.saver.last_write_s)
 
     # ---- live recovery (xscale.recovery) ----------------------------------------------------
 
-    def _sync_buffers(self) -> None:
-        """Rank 0's buffers to every rank before the forward (DDP's own broadcast, which would
-        raise in the script's lines, is off under live recovery). A recovery here moves the
-        loop: the batch is drawn again, and its broadcast done again, by batches()."""
-        if self.recovery is None or not self.recovery.buffers:
+    def _before_batch(self) -> None:
+        """The kind's own collectives before the forward (DDP's buffer broadcast, which would
+        raise in the script's lines, is the loop's under live recovery). A recovery here moves
+        the loop: the batch is drawn again, and this done again, by batches()."""
+        if self.live is None:
             return
         try:
-            self.recovery.sync_buffers()
-        except recovery.GroupBroken:
+            self.live.before_batch()
+        except GroupBroken:
             self._recover()
 
     def _recover(self) -> None:
         """Leave the broken group and train on in the next, the lost node's ranks replaced,
         every rank from the source rank's position (module xscale.recovery)."""
-        seconds, transfer_s, source = self.recovery.recover(self._position())
-        self._take_position(source)
-        self.stragglers.restart(gather_to_rank0(stragglers.node_name()))  # a node changed
+        recovered = self.live.recover(self._position())
+        self._take_position(recovered.position)
+        self.stragglers.restart(gather_to_rank0(contract.node_name()))  # a node changed
         self.message(f"{self.prog}: live recovery: training goes on at step {self.step}, "
-                     f"{seconds:.1f} s after this rank left the broken group (the state's "
-                     f"transfer: {transfer_s:.2f} s)")
+                     f"{recovered.seconds:.1f} s after this rank left the broken group (the "
+                     f"state's transfer: {recovered.handover_s:.2f} s)")
 
-    def _position(self) -> recovery.Position:
+    def _position(self) -> Position:
         """Where this rank's loop is; after a recovery the source rank's is every rank's."""
-        return recovery.Position(
+        return Position(
             step=self.step, log_from=self.log.start_step, saved_step=self.saved_step,
             saved_path=None if self.saved_path is None else str(self.saved_path),
             checkpoint_every=self.checkpoint_every, auto_every=self.auto_every)
 
-    def _take_position(self, position: recovery.Position) -> None:
+    def _take_position(self, position: Position) -> None:
         """Go on from POSITION, the source rank's: its step (the model is the source's), so
         also its place in the epoch (the next batches are drawn from there), its vote cadence
         and checkpoint interval. The survivors may have stopped a step apart: one finished an
@@ -516,19 +553,18 @@ class Loop:
     def _save(self) -> None:
         """The checkpoint of this step, once (a collective save: every rank waits as long as
         the slowest)."""
-        if self.save_fn is None or self.saved_step == self.step:
+        if self.saver is None or self.saved_step == self.step:
             return
         started = time.perf_counter()
-        self.saved_path = self.save_fn(self.step, self.epoch)
+        self.saved_path = self.saver(self.step, self.epoch)
         self.saved_step = self.step
         self.tally.saved(self.step, time.perf_counter() - started)
 
     def _wait_for_writes(self) -> None:
         """Until the background write is published; the wait is a stall too."""
-        wait = getattr(self.save_fn, "wait", None)
-        if wait is not None:
+        if self.saver is not None:
             started = time.perf_counter()
-            wait()
+            self.saver.wait()
             self.tally.waited(self.step, time.perf_counter() - started)
 
     # ---- the end --------------------------------------------------------------------------
@@ -537,8 +573,8 @@ class Loop:
         """Stop the clocks, take the last vote if the last step had none, save the last
         checkpoint, and say so on rank 0 after a stop. Every rank calls it."""
         self.meter.stop()
-        if self.recovery is not None:
-            self.recovery.link.close()  # a failure from here on ends the launch as before
+        if self.live is not None:
+            self.live.close()  # a failure from here on ends the launch as before
         self.window.close()
         if self._voted_at != self.step:
             self._vote()
@@ -577,7 +613,7 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
     """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer; the whole
     summary also into OUTPUT_DIR/xscale-summary.json (xscale.runlog)."""
     rates = meter.reduced()
-    node, phases = runlog.node_name(), startup.rank_phases()
+    node, phases = contract.node_name(), startup.rank_phases()
     runlog.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node, steps=steps,
                        param_digest=runlog.param_digest(model), startup=phases)
     # Once per run, at its end: rank 0 needs every rank's phases for the slowest one's node,

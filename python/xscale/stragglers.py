@@ -41,8 +41,9 @@ import torch
 from torch import nn
 
 from xscale import settings as xscale_settings  # this module's settings() keeps its old name
+from xscale.contract import node_name
+from xscale.dist import unwrap
 from xscale.reductions import gather_to_rank0
-from xscale.runlog import node_name, unwrap
 from xscale.spans import Spans
 
 FACTOR_ENV, INTERVALS_ENV = "XSCALE_STRAGGLER_FACTOR", "XSCALE_STRAGGLER_INTERVALS"

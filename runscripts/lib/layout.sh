@@ -126,7 +126,7 @@ xs_derive_layout() {
     || xs_die "local rank $XS_LOCAL_RANK is not below local world size $XS_LOCAL_WORLD_SIZE (launcher: $XS_LAUNCHER)"
 }
 
-# A step that live recovery launched on a spare node (jobs/lib/recovery.py) stands in for node
+# A step that live recovery launched on a spare node (jobs/lib/coordinator.py) stands in for node
 # NODE_RANK of NNODES of the training (XSCALE_REPLACEMENT=NODE_RANK/NNODES): its ranks take that
 # node's numbers in the training's world, not their own step's.
 xs_replacement_layout() {

@@ -19,7 +19,7 @@ import xscale
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
-from xscale import recovery
+from xscale.recovery import link as links
 
 MAX_STEPS = int(os.environ.get("MAX_STEPS", "120"))
 DIE_AT = int(os.environ.get("DIE_AT", "-1"))
@@ -58,7 +58,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         if ctx.rank == HOLD_RANK and loop.step + 1 == DIE_AT and not REPLACEMENT:
-            recovery.link().broken.wait(timeout=60)
+            links.link().broken.wait(timeout=60)
         loop.record(loss, len(features))
         if ctx.rank == DIE_RANK and loop.step == DIE_AT and not REPLACEMENT:
             os.kill(os.getpid(), DIE_HOW)

@@ -45,7 +45,7 @@ out["accuracy"], out["eval_samples"] = result["accuracy"], result["samples"]
 # A stop signal seen by rank 1 only stops both, at the same call.
 if ctx.rank == 1:
     lifecycle.request_stop()
-out["stop"] = runtime.vote()[0]
+out["stop"] = runtime.vote().stop
 meter = Throughput(ctx.device, warmup_steps=0)
 meter.start()
 meter.step(10 * (ctx.rank + 1))

@@ -2,24 +2,24 @@
 ranks keep their processes, a spare node takes the lost node's ranks, and training goes on
 (docs/FAILURES.md, "Live recovery").
 
-The ranks (python/xscale/recovery.py) connect to it as they start (contract.RECOVERY_VAR) and
-speak the messages contract.py names. A failure is noticed three ways: a rank whose collective
-failed says BROKEN; a rank's connection closes without BYE (its process died); a rank sends no
-BEAT for XSCALE_HEARTBEAT_S (a frozen node, which sends nothing at all). Then, in order:
+The ranks (python/xscale/recovery/) connect to it as they start (contract.RECOVERY_VAR) and
+speak the messages contract.py types. A failure is noticed three ways: a rank whose collective
+failed says Broken; a rank's connection closes without Bye (its process died); a rank sends no
+Beat for XSCALE_HEARTBEAT_S (a frozen node, which sends nothing at all). Then, in order:
 
-1. ABORT to every rank: each leaves the broken group at once, not at its collective timeout,
-   keeping everything it holds, and says LEFT. A rank that has not within LEAVE_WINDOW_S is
+1. Abort to every rank: each leaves the broken group at once, not at its collective timeout,
+   keeping everything it holds, and says Left. A rank that has not within LEAVE_WINDOW_S is
    lost with the others.
 2. The lost ranks must be whole nodes, every rank live (xscale.Loop with DDP: it can re-enter
    its loop), and a spare must be left: `replace(nodes, generation)` (the supervisor's) launches
    the lost nodes' ranks on spares, with the lost nodes' rank numbers.
-3. HOST_STORE to the lowest surviving rank, which answers with its new store's address; JOIN to
+3. HostStore to the lowest surviving rank, which answers with its new store's address; Join to
    every rank of the next generation, the replacements as they arrive: the group re-forms there,
    and the replacements get the training state from that rank.
-4. Once every rank has JOINED, training is under way again; the recovery is noted.
+4. Once every rank has Joined, training is under way again; the recovery is noted.
 
 Anything else (a rank's own error, a lost rank whose node lives on, a failure during a recovery,
-no spare left, a replacement that does not join within JOIN_TIMEOUT_S) is a FALLBACK: every
+no spare left, a replacement that does not join within JOIN_TIMEOUT_S) is a Fallback: every
 rank exits, `give_up()` ends the launch, and the supervisor does what it does without live
 recovery (docs/FAILURES.md: report, restart on a spare, or requeue).
 
@@ -39,7 +39,7 @@ import time
 
 from shared import contract, hostlist, say
 
-LEAVE_WINDOW_S = 5.0  # after ABORT, for every rank that lives to say LEFT
+LEAVE_WINDOW_S = 5.0  # after Abort, for every rank that lives to say Left
 STORE_TIMEOUT_S = 30.0  # for the store's address from the rank that hosts it
 JOIN_TIMEOUT_S = 300.0  # for a replacement to start (its container, `import torch`) and join
 WATCH_EVERY_S = 1.0  # how often heartbeats are checked
@@ -57,10 +57,10 @@ class Peer:
         self.left = self.joined = None  # the generation it last left, and joined
         self.send_lock = threading.Lock()
 
-    def send(self, kind, **fields):
+    def send(self, message):
         try:
             with self.send_lock:
-                self.connection.sendall(contract.message(kind, **fields))
+                self.connection.sendall(contract.encode(message))
         except OSError:
             pass  # its end shows as a closed connection
 
@@ -88,7 +88,7 @@ class Coordinator:
         self.heartbeat_s, self.now = heartbeat_s, now
         self.peers = {}  # rank -> Peer: the current process of each rank
         self.generation = 0
-        self.join = None  # the JOIN message of the generation being formed
+        self.join = None  # the Join of the generation being formed
         self.recovering = self.fallen_back = False
         self.recoveries = []  # what each recovery took, for the records
         self.changed = threading.Condition()
@@ -108,7 +108,7 @@ class Coordinator:
         self.server.server_close()
 
     def finished(self, wait_s=0.0):
-        """Whether every rank ended its training (BYE) and its process (its connection closed),
+        """Whether every rank ended its training (Bye) and its process (its connection closed),
         waiting up to WAIT_S for it."""
         with self.changed:
             return self.changed.wait_for(lambda: len(self.peers) == self.world_size and all(
@@ -120,7 +120,7 @@ class Coordinator:
         peer = None
         for received in contract.read_messages(stream):
             if peer is None:
-                if received.get("kind") != contract.HELLO:
+                if not isinstance(received, contract.Hello):
                     return
                 peer = self._hello(connection, received)
                 continue
@@ -129,41 +129,40 @@ class Coordinator:
             self._closed(peer)
 
     def _hello(self, connection, hello):
-        peer = Peer(connection, int(hello["rank"]), str(hello["node"]), hello.get("pid"),
-                    int(hello.get("generation", 0)), self.now())
+        peer = Peer(connection, int(hello.rank), str(hello.node), hello.pid,
+                    int(hello.generation), self.now())
         with self.changed:
             self.peers[peer.rank] = peer  # a replacement takes its rank's place
             join = self.join
             self.changed.notify_all()
-        if join is not None and peer.generation == join["generation"]:
-            peer.send(contract.JOIN, **{k: v for k, v in join.items() if k != "kind"})
+        if join is not None and peer.generation == join.generation:
+            peer.send(join)
         return peer
 
     def _on_message(self, peer, received):
-        kind = received.get("kind")
         with self.changed:
             if self.peers.get(peer.rank) is not peer:
                 return  # a lost process, replaced (a frozen node thawed): no news
             peer.last_beat = self.now()
-            if kind == contract.LIVE:
+            if isinstance(received, contract.Live):
                 peer.live = True
-            elif kind == contract.NOT_LIVE:
-                peer.not_live = received.get("why")
-            elif kind == contract.LEFT:
-                peer.left = received.get("generation")
-            elif kind == contract.JOINED:
-                peer.joined = received.get("generation")
-            elif kind == contract.STORE:
-                peer.store = received.get("address")
-            elif kind == contract.BYE:
+            elif isinstance(received, contract.NotLive):
+                peer.not_live = received.why
+            elif isinstance(received, contract.Left):
+                peer.left = received.generation
+            elif isinstance(received, contract.Joined):
+                peer.joined = received.generation
+            elif isinstance(received, contract.Store):
+                peer.store = received.address
+            elif isinstance(received, contract.Bye):
                 peer.bye = True
             self.changed.notify_all()
-        if kind == contract.BROKEN and not peer.bye:  # after BYE: the training is over
-            self._failed("rank %d's collective failed (%s)" % (peer.rank, received.get("why")),
-                         received.get("generation"))
-        elif kind == contract.FAILED:
+        if isinstance(received, contract.Broken) and not peer.bye:  # after Bye: training is over
+            self._failed("rank %d's collective failed (%s)" % (peer.rank, received.why),
+                         received.generation)
+        elif isinstance(received, contract.Failed):
             self.fall_back("rank %d on %s failed on its own: %s"
-                            % (peer.rank, peer.node, received.get("why")))
+                            % (peer.rank, peer.node, received.why))
 
     def _closed(self, peer):
         with self.changed:
@@ -213,7 +212,7 @@ class Coordinator:
             self.fall_back("%s; %s" % (why, unable))
             return
         say("live recovery: %s; every rank leaves generation %d" % (why, generation))
-        self._send_all(contract.ABORT, generation=generation)
+        self._send_all(contract.Abort(generation=generation))
         survivors, lost = self._leavers(generation, noticed + LEAVE_WINDOW_S)
         for peer in lost:
             if peer is not None:
@@ -277,8 +276,8 @@ class Coordinator:
 
     def _not_live(self):
         """Why the ranks' training cannot be recovered live, or None: every rank must be in a
-        loop that can leave a broken step (it said LIVE). A rank that said why not is named
-        with its words; it also said so as the run started (xscale.recovery.for_loop)."""
+        loop that can leave a broken step (it said Live). A rank that said why not is named
+        with its words; it also said so as the run started (xscale.recovery.live.for_loop)."""
         with self.changed:
             peers = sorted(self.peers.values(), key=lambda peer: peer.rank)
         for peer in peers:
@@ -289,22 +288,21 @@ class Coordinator:
         return None
 
     def _host_store(self, host, generation):
-        host.send(contract.HOST_STORE, generation=generation)
+        host.send(contract.HostStore(generation=generation))
         with self.changed:
             self.changed.wait_for(lambda: getattr(host, "store", None) is not None
                                   or host.closed, timeout=STORE_TIMEOUT_S)
             return getattr(host, "store", None)
 
     def _form(self, generation, store, source, spares):
-        """JOIN for GENERATION to every rank of it; when all have joined, or None (a fallback)."""
-        join = {"kind": contract.JOIN, "generation": generation, "store": store,
-                "source": source}
+        """Join for GENERATION to every rank of it; when all have joined, or None (a fallback)."""
+        join = contract.Join(generation=generation, store=store, source=source)
         with self.changed:
             self.generation, self.join = generation, join
             ready = [peer for peer in self.peers.values() if peer.generation == generation
                      or peer.left == generation - 1]
         for peer in ready:
-            peer.send(contract.JOIN, generation=generation, store=store, source=source)
+            peer.send(join)
         with self.changed:
             done = self.changed.wait_for(
                 lambda: len(self.peers) == self.world_size and all(
@@ -324,14 +322,14 @@ class Coordinator:
             self.fallen_back = True
         say("live recovery: not possible: %s; the launch ends, and the usual restart or "
             "requeue follows" % why)
-        self._send_all(contract.FALLBACK, why=why)
+        self._send_all(contract.Fallback(why=why))
         self.give_up(why)
 
-    def _send_all(self, kind, **fields):
+    def _send_all(self, message):
         with self.changed:
             peers = [peer for peer in self.peers.values() if not peer.closed]
         for peer in peers:
-            peer.send(kind, **fields)
+            peer.send(message)
 
     def saved(self):
         """The recoveries, as the launch's records keep them."""
@@ -408,7 +406,7 @@ class LiveLaunch:
         self.main = proc
 
     def _give_up(self, why):
-        """The ranks exit on FALLBACK; the launch ends with them, as a failed one does."""
+        """The ranks exit on Fallback; the launch ends with them, as a failed one does."""
 
     def _end_when_done(self):
         """Once every rank has ended its training, the launch's srun may still wait for the

@@ -1,5 +1,5 @@
 """A profile directory, read back: `xscale report --profile DIR`, and the summary a profiled rank
-prints at the end of its run (xscale.profiling).
+prints at the end of its run (xscale.profile_window).
 
 A torch.profiler trace (`*.pt.trace.json`, `.gz` too) is summarised from its spans:
 - the steps: the `ProfilerStep#N` spans, on the thread that has them (the training thread);
@@ -245,7 +245,7 @@ def _parts(steps: list[tuple[float, float]], on_thread: list[Span], spans: list[
 
 def _first_step(document: dict, step_spans: list[Span]) -> int:
     """The training step the trace begins at. The profiler counts its steps from its start;
-    xscale.profiling notes the training step it started at, so that the summary names
+    xscale.profile_window notes the training step it started at, so that the summary names
     training steps."""
     numbers = [int(span.name[len(STEP):]) for span in step_spans
                if span.name[len(STEP):].isdigit()]

@@ -10,7 +10,7 @@ rank 14 for 32 steps). Two ways, chosen by what run.sh / run-profile.sh exported
   NVTX/ROCTX range per step so the timeline reads in steps.
 - XSCALE_TORCH_PROFILER=1 (run-profile.sh's PROFILER=torch): torch.profiler records the window
   itself and writes a Chrome trace into PROFILE_DIR/rank<R>; the end of the run prints its
-  summary (xscale.profiles: top operators and kernels, the collectives' share, the verdict).
+  summary (xscale.profile_report: top operators and kernels, the collectives' share, the verdict).
 - neither: nothing happens; step() is two integer comparisons.
 At the end of the run an external profiler's rank says where its files go and how to read
 them back (`xscale report --profile PROFILE_DIR`).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from xscale import profiles, settings
+from xscale import profile_report, settings
 from xscale.lifecycle import UserError
 
 DEFAULT_START = 10
@@ -167,7 +167,7 @@ class ProfileWindow:
                                            repeat=1)
         profiler = torch.profiler.profile(activities=activities, schedule=schedule,
                                           on_trace_ready=self._write_trace, record_shapes=False)
-        profiler.preset_metadata_json(profiles.FIRST_STEP, str(first_step))
+        profiler.preset_metadata_json(profile_report.FIRST_STEP, str(first_step))
         return profiler
 
     def _write_trace(self, profiler: torch.profiler.profile) -> None:
@@ -187,8 +187,8 @@ class ProfileWindow:
                 self._say(f"the trace has {size / 1e6:.0f} MB; `xscale report --profile "
                           f"{self.profile_dir}` summarises it after the run")
                 return
-            print(profiles.summarise(self.trace).text(), flush=True)
-        except (OSError, profiles.ProfileError) as error:
+            print(profile_report.summarise(self.trace).text(), flush=True)
+        except (OSError, profile_report.ProfileError) as error:
             self._say(f"cannot summarise the profile: {error}")
 
     def _say(self, message: str) -> None:

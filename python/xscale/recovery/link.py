@@ -1,0 +1,225 @@
+"""This rank's link to the supervisor's coordinator (jobs/lib/coordinator.py), the lowest part of
+live recovery: what the process-group code (xscale.dist) and the sums over ranks
+(xscale.reductions) need, and nothing that needs them.
+
+The link says HELLO, beats, tells the coordinator what this rank sees (its collective broke,
+it left a group, it joined the next, it ended) and hears back ABORT (leave now), HOST_STORE,
+JOIN (the next group's store and the rank whose state every rank takes) and FALLBACK (no live
+recovery: exit). `wait` ends a collective's wait as soon as the group is known broken, so no
+rank sits out a collective timeout for a lost peer. The messages are xscale.contract's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from xscale import contract, lifecycle, settings
+
+FALLBACK_EXIT = 75  # a rank told that live recovery cannot be (EX_TEMPFAIL): the launch ends
+POLL_S = 0.02  # how often a wait looks at the abort flag (its work's end wakes it at once)
+STORE_TIMEOUT = timedelta(seconds=120)  # the next group's store: every rank reaches it by then
+
+
+class GroupBroken(Exception):
+    """The process group failed (a peer is lost): the loop recovers and goes on."""
+
+
+class Link:
+    """This rank's connection to the coordinator: hello, heartbeats, and what the coordinator
+    says (ABORT sets `broken`; JOIN sets `join`; HOST_STORE makes a store)."""
+
+    def __init__(self, address: str, rank: int, world_size: int, generation: int,
+                 heartbeat_s: float) -> None:
+        host, _, port = address.rpartition(":")
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self.socket = socket.create_connection((host, int(port)), timeout=30)
+        self.socket.settimeout(None)
+        self._send_lock = threading.Lock()
+        self.broken = threading.Event()
+        self.joined = threading.Event()
+        self.join: contract.Join | None = None
+        self.store: dist.TCPStore | None = None  # the store this rank hosts, when asked
+        self.on_broken: list[Callable[[], None]] = []
+        self.closed = False
+        self.received_state = generation == 0  # a replacement's comes from the survivors
+        self.send(contract.Hello(rank=rank, node=contract.node_name(), pid=os.getpid(),
+                                 generation=generation))
+        threading.Thread(target=self._listen, daemon=True, name="xscale-recovery").start()
+        threading.Thread(target=self._beat, args=(max(heartbeat_s / 6, 0.2),), daemon=True,
+                         name="xscale-heartbeat").start()
+
+    def send(self, message: Any) -> None:
+        try:
+            with self._send_lock:
+                self.socket.sendall(contract.encode(message))
+        except OSError:
+            pass  # the coordinator is the batch host's: if it is gone, so is the job
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process is a replacement that has yet to receive its state."""
+        return not self.received_state
+
+    def declare_broken(self, why: str, generation: int) -> None:
+        """This rank saw GENERATION's group fail: say so once, and leave what waits on it. A
+        work of a generation already left that fails late (it was aborted) is no news."""
+        if generation == self.generation and not self.broken.is_set():
+            self.send(contract.Broken(generation=generation, why=why[:200]))
+            self._break()
+
+    def live(self) -> None:
+        """This rank's training can leave a broken step and re-enter: recovery may be live."""
+        self.send(contract.Live())
+
+    def not_live(self, why: str) -> None:
+        """This rank's training cannot be recovered live, for WHY (said once, at its start)."""
+        self.send(contract.NotLive(why=why[:200]))
+
+    def failed(self, error: BaseException) -> None:
+        """An error of this rank's own ends it: no live recovery for the launch."""
+        if not self.closed:
+            self.send(contract.Failed(why=f"{type(error).__name__}: {str(error)[:200]}"))
+
+    def left(self) -> None:
+        """This rank left its broken group (aborted it)."""
+        self.send(contract.Left(generation=self.generation))
+
+    def next_store(self) -> tuple[dist.Store, int]:
+        """The next group's store, and its generation, once the coordinator names them (JOIN):
+        the store this rank hosts, or a client of the one another rank hosts."""
+        self.joined.wait()
+        join = self.join
+        host, port = join.store
+        if self.store is not None and self.store.port == port:
+            store = self.store
+        else:
+            store = dist.TCPStore(host, port, self.world_size, is_master=False,
+                                  timeout=STORE_TIMEOUT)
+        return dist.PrefixStore(f"xscale/{join.generation}", store), join.generation
+
+    def formed(self, generation: int) -> None:
+        """The group of GENERATION is formed; this rank's collectives are its now."""
+        self.generation = generation
+        self.joined.clear()
+
+    @property
+    def source(self) -> int:
+        """The rank whose state every rank takes in the group just formed."""
+        return self.join.source
+
+    def took_state(self) -> None:
+        """This rank holds the group's state and trains on in it: the broken flag is cleared."""
+        self.received_state = True
+        self.broken.clear()
+        self.send(contract.Joined(generation=self.generation))
+
+    def _break(self) -> None:
+        self.broken.set()
+        for callback in list(self.on_broken):
+            callback()
+
+    def _listen(self) -> None:
+        with self.socket.makefile("rb") as stream:
+            for received in contract.read_messages(stream):
+                if isinstance(received, contract.Abort):
+                    if received.generation == self.generation:
+                        self._break()
+                elif isinstance(received, contract.HostStore):
+                    self._host_store()
+                elif isinstance(received, contract.Join):
+                    self.join = received
+                    self.joined.set()
+                elif isinstance(received, contract.Fallback):
+                    self._exit(received.why)
+
+    def _host_store(self) -> None:
+        """The next group's store, on this node's address as the batch host sees it (the
+        interface the other nodes reach it by, too)."""
+        host = self.socket.getsockname()[0]
+        self.store = dist.TCPStore(host, 0, self.world_size, is_master=True,
+                                   wait_for_workers=False, timeout=STORE_TIMEOUT)
+        self.send(contract.Store(address=[host, self.store.port]))
+
+    def _exit(self, why: str) -> None:
+        if self.closed:
+            return  # its training is over; the launch ends anyway
+        print(f"xscale: rank {self.rank}: live recovery is not possible ({why}); this rank "
+              f"exits, and the supervisor restarts the launch or requeues the job", flush=True,
+              file=sys.stderr)
+        os._exit(FALLBACK_EXIT)
+
+    def _beat(self, every_s: float) -> None:
+        while not self.closed:
+            self.send(contract.Beat())
+            time.sleep(every_s)
+
+    def close(self) -> None:
+        """The training is over on this rank."""
+        if not self.closed:
+            self.closed = True
+            self.send(contract.Bye())
+
+
+_link: Link | None = None
+
+
+def link() -> Link | None:
+    """This process's link, when the supervisor started a coordinator and it was reached."""
+    return _link
+
+
+def connect(rank: int, world_size: int, environ: dict | None = None) -> Link | None:
+    """Connect to the coordinator when the supervisor started one (XSCALE_RECOVERY)."""
+    global _link
+    env = os.environ if environ is None else environ
+    address = env.get(contract.RECOVERY_VAR)
+    if not address or world_size < 2:
+        return None
+    generation = int(env.get(contract.JOIN_VAR) or 0)
+    try:
+        _link = Link(address, rank, world_size, generation,
+                     settings.value("XSCALE_HEARTBEAT_S", env))
+    except OSError as error:  # the batch host unreachable from here: train, without it
+        print(f"xscale: warning: rank {rank}: no live recovery: the supervisor's coordinator "
+              f"at {address} cannot be reached ({error.strerror or error})", file=sys.stderr,
+              flush=True)
+        return None
+    lifecycle.on_failure(_link.failed)
+    lifecycle.on_exit(_link.close)  # the clean exit's os._exit skips atexit
+    atexit.register(_link.close)
+    return _link
+
+
+def joining() -> bool:
+    """Whether this process is a replacement that has yet to receive its state."""
+    return _link is not None and _link.joining
+
+
+def wait(work: Any) -> None:
+    """Wait for a collective's WORK, or raise GroupBroken as soon as the group is known broken
+    (its own failure, or the coordinator's ABORT): a rank never sits out a collective timeout
+    for a lost peer."""
+    if _link is None:
+        work.wait()
+        return
+    done, generation = threading.Event(), _link.generation
+    future = work.get_future()
+    future.add_done_callback(lambda _: done.set())
+    while not done.wait(POLL_S):
+        if _link.broken.is_set():
+            raise GroupBroken("the group is broken")
+    try:
+        future.value()
+    except Exception as error:  # gloo: "Connection closed by peer", a timeout...
+        _link.declare_broken(str(error), generation)
+        raise GroupBroken(str(error)) from None

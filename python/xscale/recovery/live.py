@@ -1,0 +1,79 @@
+"""Live recovery as a loop sees it: one object that says whether the step under way counts,
+does the kind's work before a batch, and recovers (docs/FAILURES.md, "Live recovery").
+
+Only under the supervisor with spares (it exports XSCALE_RECOVERY, and the rank's link reached
+the coordinator). `for_loop` picks the kind of training that serves the loop's model
+(xscale.recovery.protocol.Recoverable; DDP is the only one yet) or says why none does; the
+recovery's steps are the same for every kind: leave the broken group, tell the coordinator,
+form the next, hand the state over, go on from the source's position.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch import nn
+
+from xscale.dist import DistContext
+from xscale.recovery import ddp
+from xscale.recovery import link as links
+from xscale.recovery.protocol import Position, Recoverable, Recovered
+
+
+class Live:
+    """A loop's live recovery: its kind of training and this rank's link."""
+
+    def __init__(self, kind: Recoverable, link: links.Link) -> None:
+        self.kind, self.link = kind, link
+        link.live()
+
+    @property
+    def broken(self) -> bool:
+        """Whether the group broke (this rank's update of the step may have been made)."""
+        return self.link.broken.is_set()
+
+    @property
+    def step_dropped(self) -> bool:
+        return self.kind.step_dropped
+
+    def before_batch(self) -> None:
+        self.kind.before_batch()
+
+    def recover(self, position: Position) -> Recovered:
+        """Leave the broken group, form the next, and go on from the source rank's position,
+        which every rank takes (its model is the one every rank now has)."""
+        started = time.perf_counter()
+        self.kind.leave()
+        self.link.left()
+        self.kind.reform()
+        formed = time.perf_counter()
+        source_position = self.kind.hand_over(position)
+        self.link.took_state()
+        self.kind.go_on()
+        done = time.perf_counter()
+        return Recovered(done - started, done - formed, source_position)
+
+    def receive(self) -> Position:
+        """A replacement's state and position, from where the kind keeps them."""
+        position = self.kind.hand_over(None)
+        self.link.took_state()
+        return position
+
+    def close(self) -> None:
+        """The training is over: a failure from here on ends the launch as before."""
+        self.link.close()
+
+
+def for_loop(ctx: DistContext, model: nn.Module, optimizer: Any,
+             accumulation: int) -> tuple[Live | None, str | None]:
+    """A loop's live recovery when the coordinator is there and a kind serves its model; else
+    None, and why not (None as well without the coordinator: nothing to say)."""
+    link = links.link()
+    if link is None:
+        return None, None
+    why = ddp.why_not(model, optimizer, accumulation)
+    if why is not None:
+        link.not_live(why)
+        return None, why
+    return Live(ddp.DdpRecovery(model, optimizer, link, ctx), link), None
