@@ -23,7 +23,7 @@ help:
 	@echo "make gpu-check     prove this node's GPUs: every trainer, the doctor, a profile,"
 	@echo "                   throughput and MFU (one line and exit 0 without a GPU)"
 	@echo "make sif           build the container image (needs singularity or apptainer)"
-	@echo "make settings-doc  write docs/SETTINGS.md from the table in python/xscale/settings.py"
+	@echo "make settings-doc  write docs/SETTINGS.md from the table in python/xscale/shared/settings.py"
 	@echo "make setup | lint | unit | cluster-up | cluster-down | clean"
 
 setup: system-packages venv

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from xscale import contract
+from xscale.shared import contract
 
 from tests.helpers import wait_for
 

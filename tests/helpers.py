@@ -18,18 +18,18 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from xscale import taglines
+from xscale.shared import taglines
 
 
 def tagged_records(output: str, tag: str) -> list[dict]:
     """Every `TAG {json}` line in the output, in order: after srun --label's `RANK: `, and
-    joined again where srun --label cut it (xscale.taglines.unsplit)."""
+    joined again where srun --label cut it (xscale.shared.taglines.unsplit)."""
     return taglines.tagged(output.splitlines(), tag)
 
 
 def summary(output: str) -> dict:
     """The last run's whole summary: from the file its XSCALE_SUMMARY line names, else the line
-    (xscale.taglines.whole_summary); fails loudly (with the output) when there is no line."""
+    (xscale.shared.taglines.whole_summary); fails loudly (with the output) when there is no line."""
     found = tagged_records(output, "XSCALE_SUMMARY")
     if not found:
         raise AssertionError(f"no XSCALE_SUMMARY line in output:\n{output[-4000:]}")
@@ -66,11 +66,11 @@ SUMMARY_TYPES = {
 
 
 def check_summary_schema(output: str, trainer: str) -> dict:
-    """The one summary schema every trainer ends with (xscale.runlog.SUMMARY_FIELDS, in that
+    """The one summary schema every trainer ends with (xscale.observe.runlog.SUMMARY_FIELDS, in that
     order, then the trainer's own fields): whole in the file, and less the per-phase start-up
     detail in its last XSCALE_SUMMARY line, what `xscale report`, the benchmarks and users
     read, whichever trainer wrote it. The whole record."""
-    from xscale.runlog import FILE_ONLY, SUMMARY_FIELDS
+    from xscale.observe.runlog import FILE_ONLY, SUMMARY_FIELDS
 
     assert set(SUMMARY_TYPES) == set(SUMMARY_FIELDS)
     line = tagged_records(output, "XSCALE_SUMMARY")[-1]
@@ -99,7 +99,7 @@ def check_summary_schema(output: str, trainer: str) -> dict:
 def check_step_time(record: dict) -> None:
     """Every trainer splits its steps after the warm-up (at most 5 steps) into shares of the
     step that add up to the whole, and names the largest of the four that can bound it."""
-    from xscale.bounds import BOUNDS, SHARES
+    from xscale.observe.bounds import BOUNDS, SHARES
 
     step_time = record["step_time"]
     if step_time is None:

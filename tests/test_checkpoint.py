@@ -1,4 +1,4 @@
-"""xscale.checkpoint: atomic checkpoints found by step, background writes, the cadence
+"""xscale.checkpoints: atomic checkpoints found by step, background writes, the cadence
 settings, the training state."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.nn.parallel import DistributedDataParallel
-from xscale import checkpoint, dcp_checkpoint, runlog
+from xscale.checkpoints import cadence, contents, every_rank, files, savers
 from xscale.lifecycle import UserError
+from xscale.observe import runlog
 
 # ---------------------------------------------------------------------------------------------
 # checkpoint: atomic, found by step, the last K kept
@@ -28,51 +29,51 @@ from xscale.lifecycle import UserError
 
 def test_checkpoints_are_found_by_step_not_by_name_or_time(tmp_path):
     for step in (5, 100, 12):  # written out of order: the newest file is not the newest step
-        checkpoint.save(tmp_path, step, {"step": step, "payload": torch.tensor([step])}, keep=10)
-    checkpoint.save(tmp_path, 1000000, {"step": 1000000}, keep=10)  # past the zero padding
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [5, 12, 100, 1000000]
-    assert checkpoint.load_latest(tmp_path)["step"] == 1000000
-    assert checkpoint.checkpoint_path(tmp_path, 123).name == "ckpt-000123.pt"
+        files.save(tmp_path, step, {"step": step, "payload": torch.tensor([step])}, keep=10)
+    files.save(tmp_path, 1000000, {"step": 1000000}, keep=10)  # past the zero padding
+    assert [s for s, _ in files.list_checkpoints(tmp_path)] == [5, 12, 100, 1000000]
+    assert files.load_latest(tmp_path)["step"] == 1000000
+    assert files.checkpoint_path(tmp_path, 123).name == "ckpt-000123.pt"
 
 
 def test_only_the_newest_k_are_kept(tmp_path):
     for step in range(1, 7):
-        checkpoint.save(tmp_path, step * 10, {"step": step * 10}, keep=3)
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [40, 50, 60]
+        files.save(tmp_path, step * 10, {"step": step * 10}, keep=3)
+    assert [s for s, _ in files.list_checkpoints(tmp_path)] == [40, 50, 60]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt-000040.pt", "ckpt-000050.pt", "ckpt-000060.pt"]
 
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path):
-    checkpoint.save(tmp_path, 10, {"step": 10, "weights": torch.ones(4)})
+    files.save(tmp_path, 10, {"step": 10, "weights": torch.ones(4)})
 
     def dies_midway(obj, handle):
         handle.write(b"half a checkpoint")
         raise OSError("No space left on device")
 
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.atomic_save({"step": 20}, checkpoint.checkpoint_path(tmp_path, 20),
+        files.atomic_save({"step": 20}, files.checkpoint_path(tmp_path, 20),
                                writer=dies_midway)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000010.pt"]  # no temp, no ckpt-20
-    assert checkpoint.load_latest(tmp_path)["step"] == 10
+    assert files.load_latest(tmp_path)["step"] == 10
 
 
 def test_leftover_temporaries_are_ignored_and_cleaned(tmp_path):
     (tmp_path / ".ckpt-abc.tmp").write_bytes(b"killed during a save")
-    assert checkpoint.load_latest(tmp_path) is None
-    checkpoint.save(tmp_path, 1, {"step": 1})
+    assert files.load_latest(tmp_path) is None
+    files.save(tmp_path, 1, {"step": 1})
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000001.pt"]
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
-    checkpoint.save(tmp_path, 10, {"step": 10})
-    checkpoint.checkpoint_path(tmp_path, 20).write_bytes(b"not a torch file")
-    assert checkpoint.load_latest(tmp_path)["step"] == 10
+    files.save(tmp_path, 10, {"step": 10})
+    files.checkpoint_path(tmp_path, 20).write_bytes(b"not a torch file")
+    assert files.load_latest(tmp_path)["step"] == 10
     assert "cannot read" in capsys.readouterr().err
 
 
 def test_no_directory_means_no_checkpoint(tmp_path):
-    assert checkpoint.load_latest(tmp_path / "missing") is None
+    assert files.load_latest(tmp_path / "missing") is None
 
 
 def test_a_background_save_is_published_whole_and_holds_the_state_it_was_given(tmp_path,
@@ -80,30 +81,30 @@ def test_a_background_save_is_published_whole_and_holds_the_state_it_was_given(t
     """XSCALE_CHECKPOINT_MODE=async: the call returns with the write under way (held here at its
     fsync, as slow storage holds it); until it is published the previous checkpoint is the
     newest, and training that changes the weights meanwhile does not change what is written."""
-    checkpoint.save(tmp_path, 10, {"step": 10})
+    files.save(tmp_path, 10, {"step": 10})
     durable, real_fsync, at_fsync = threading.Event(), os.fsync, threading.Event()
     monkeypatch.setattr(os, "fsync",
                         lambda fd: (at_fsync.set(), durable.wait(30), real_fsync(fd)))
     model = nn.Linear(3, 2)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    saver = checkpoint.TrainingSaver(tmp_path, model, optimizer, None, is_main=True, keep=3,
+    saver = savers.TrainingSaver(tmp_path, model, optimizer, None, is_main=True, keep=3,
                                      mode="async", extra={})
-    assert saver(20, 0) == checkpoint.checkpoint_path(tmp_path, 20)
+    assert saver(20, 0) == files.checkpoint_path(tmp_path, 20)
     with torch.no_grad():
         model.weight.add_(1.0)  # the next steps train on
-    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path)] == [10]
+    assert [step for step, _ in files.list_checkpoints(tmp_path)] == [10]
     assert at_fsync.wait(30)  # the writer thread has its temporary file open by then
     assert list(tmp_path.glob(".ckpt-*.tmp"))  # being written
     durable.set()
     saver.wait()
-    state = checkpoint.load_latest(tmp_path)
+    state = files.load_latest(tmp_path)
     assert state["step"] == 20
     assert all(torch.equal(state["model"][name], before[name]) for name in before)
 
 
 def test_a_background_write_that_failed_fails_the_next_save(tmp_path):
-    writer = checkpoint.BackgroundWriter()
+    writer = savers.BackgroundWriter()
 
     def full_disk():
         raise OSError("No space left on device")
@@ -117,43 +118,43 @@ def test_a_background_write_that_failed_fails_the_next_save(tmp_path):
 def test_auto_takes_youngs_interval_from_the_save_cost_and_the_jobs_failure_rate():
     # 1,024 nodes of Meta's Llama 3 rate: a failure every 6.2 hours. A save that stops training
     # 2 s: sqrt(2 x 2 s x 22,270 s) = 298 s, at 0.5 s a step 597 steps.
-    job_mtbf_s = checkpoint.NODE_MTBF_H * 3600 / 1024
-    every, seconds, mtbf = checkpoint.auto_interval(2.0, 1.0, 0.5, 1024, checkpoint.NODE_MTBF_H)
+    job_mtbf_s = cadence.NODE_MTBF_H * 3600 / 1024
+    every, seconds, mtbf = cadence.auto_interval(2.0, 1.0, 0.5, 1024, cadence.NODE_MTBF_H)
     assert mtbf == pytest.approx(job_mtbf_s)
     assert seconds == pytest.approx(math.sqrt(2 * 2.0 * job_mtbf_s))
     assert every == math.ceil(seconds / 0.5) == 597
     # A background write longer than that sets the floor; one step is the least.
-    assert checkpoint.auto_interval(0.01, 400.0, 0.5, 1024, checkpoint.NODE_MTBF_H)[:2] == (
+    assert cadence.auto_interval(0.01, 400.0, 0.5, 1024, cadence.NODE_MTBF_H)[:2] == (
         800, 400.0)
-    assert checkpoint.auto_interval(0.0, 0.0, 10.0, 1, 1.0)[0] == 1
+    assert cadence.auto_interval(0.0, 0.0, 10.0, 1, 1.0)[0] == 1
 
 
 @pytest.mark.parametrize("text, expected", [("auto", "auto"), ("0", 0), ("250", 250)])
 def test_checkpoint_every_is_a_whole_number_or_auto(text, expected):
-    assert checkpoint.checkpoint_interval(text) == expected
+    assert cadence.checkpoint_interval(text) == expected
 
 
 @pytest.mark.parametrize("text", ["-1", "1.5", "often", ""])
 def test_checkpoint_every_rejects_anything_else(text):
     with pytest.raises(argparse.ArgumentTypeError, match="neither a whole number nor auto"):
-        checkpoint.checkpoint_interval(text)
+        cadence.checkpoint_interval(text)
 
 
 def test_checkpoint_settings_are_checked():
-    assert checkpoint.checkpoint_mode({}) == "async"
-    assert checkpoint.checkpoint_mode({"XSCALE_CHECKPOINT_MODE": "sync"}) == "sync"
+    assert savers.checkpoint_mode({}) == "async"
+    assert savers.checkpoint_mode({"XSCALE_CHECKPOINT_MODE": "sync"}) == "sync"
     with pytest.raises(UserError, match="XSCALE_CHECKPOINT_MODE='Async' is neither"):
-        checkpoint.checkpoint_mode({"XSCALE_CHECKPOINT_MODE": "Async"})
-    assert checkpoint.checkpoint_writers({}) == "rank0"
-    assert checkpoint.checkpoint_writers({"XSCALE_CHECKPOINT_WRITERS": "all"}) == "all"
+        savers.checkpoint_mode({"XSCALE_CHECKPOINT_MODE": "Async"})
+    assert savers.checkpoint_writers({}) == "rank0"
+    assert savers.checkpoint_writers({"XSCALE_CHECKPOINT_WRITERS": "all"}) == "all"
     for bad in ("every", "ALL", "rank1", ""):
         with pytest.raises(UserError, match=f"XSCALE_CHECKPOINT_WRITERS='{bad}' is neither"):
-            checkpoint.checkpoint_writers({"XSCALE_CHECKPOINT_WRITERS": bad})
-    assert checkpoint.node_mtbf_hours({}) == checkpoint.NODE_MTBF_H
-    assert checkpoint.node_mtbf_hours({"XSCALE_NODE_MTBF_H": "5000"}) == 5000.0
+            savers.checkpoint_writers({"XSCALE_CHECKPOINT_WRITERS": bad})
+    assert cadence.node_mtbf_hours({}) == cadence.NODE_MTBF_H
+    assert cadence.node_mtbf_hours({"XSCALE_NODE_MTBF_H": "5000"}) == 5000.0
     for bad in ("0", "-2", "nan", "inf", "many"):
         with pytest.raises(UserError, match="not a positive number of hours"):
-            checkpoint.node_mtbf_hours({"XSCALE_NODE_MTBF_H": bad})
+            cadence.node_mtbf_hours({"XSCALE_NODE_MTBF_H": bad})
 
 
 def test_training_state_round_trip_restores_weights_optimizer_and_random_stream(tmp_path):
@@ -162,15 +163,15 @@ def test_training_state_round_trip_restores_weights_optimizer_and_random_stream(
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(4, 3)).sum().backward()
     optimizer.step()
-    state = checkpoint.training_state(model, optimizer, step=7, epoch=1)
-    checkpoint.save(tmp_path, 7, state)
+    state = contents.training_state(model, optimizer, step=7, epoch=1)
+    files.save(tmp_path, 7, state)
     expected_draw = torch.rand(3)  # what the stream gives right after the save
 
     fresh = nn.Linear(3, 2)
     fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
     torch.manual_seed(123)  # a different stream, to be replaced
-    step, epoch = checkpoint.restore_training_state(
-        checkpoint.load_latest(tmp_path), fresh, fresh_optimizer)
+    step, epoch = contents.restore_training_state(
+        files.load_latest(tmp_path), fresh, fresh_optimizer)
     assert (step, epoch) == (7, 1)
     assert runlog.param_digest(fresh) == runlog.param_digest(model)
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
@@ -179,7 +180,7 @@ def test_training_state_round_trip_restores_weights_optimizer_and_random_stream(
 
 def test_a_staged_state_keeps_tied_weights_one_tensor():
     shared = torch.ones(3)
-    copy = checkpoint.host_copies({"embedding": shared, "output": shared, "step": 7})
+    copy = contents.host_copies({"embedding": shared, "output": shared, "step": 7})
     assert copy["embedding"] is copy["output"] and copy["embedding"] is not shared
     shared.add_(1.0)
     assert torch.equal(copy["output"], torch.ones(3)) and copy["step"] == 7
@@ -213,7 +214,7 @@ def every_rank_round_trip(rank: int, world: int, rendezvous: str, out: str, mode
     optimizer = trained(model)
     weights = {name: tensor.clone() for name, tensor in model.module.state_dict().items()}
     torch.manual_seed(100 + rank)  # each rank its own stream, as the trainers seed them
-    saver = checkpoint.training_saver(Path(out), model, optimizer, is_main=rank == 0, keep=3,
+    saver = savers.training_saver(Path(out), model, optimizer, is_main=rank == 0, keep=3,
                                       arch="small")
     assert saver(7, 2) == Path(out) / "ckpt-000007.dcp"
     draw = torch.rand(5)  # what this rank's stream gives right after the save
@@ -225,7 +226,7 @@ def every_rank_round_trip(rank: int, world: int, rendezvous: str, out: str, mode
     fresh = DistributedDataParallel(small_net())
     fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
     torch.manual_seed(999)
-    assert checkpoint.resume_training(Path(out), fresh, fresh_optimizer, rank=rank) == 7
+    assert contents.resume_training(Path(out), fresh, fresh_optimizer, rank=rank) == 7
     assert torch.equal(torch.rand(5), draw), f"rank {rank} did not get its own stream back"
     restored = fresh.module.state_dict()
     assert all(torch.equal(restored[name], weights[name]) for name in weights)
@@ -254,16 +255,16 @@ def test_every_rank_writes_a_part_and_resumes_bit_for_bit(tmp_path, mode):
     assert {name for fqn, name in files.items() if fqn.startswith("model.")} == {
         "__0_0.distcp", "__1_0.distcp"}
     assert (files["rng/rank0"], files["rng/rank1"]) == ("__0_0.distcp", "__1_0.distcp")
-    head = {dcp_checkpoint.RUN_KEY: None}
+    head = {every_rank.RUN_KEY: None}
     dcp.load(head, checkpoint_id=path, no_dist=True)
-    assert dcp_checkpoint.unpack(head[dcp_checkpoint.RUN_KEY]) == {
+    assert every_rank.unpack(head[every_rank.RUN_KEY]) == {
         "step": 7, "epoch": 2, "world_size": 2, "arch": "small"}
 
 
-def every_rank_saver(out: Path, keep: int = 3, mode: str = "sync") -> checkpoint.EveryRankSaver:
+def every_rank_saver(out: Path, keep: int = 3, mode: str = "sync") -> savers.EveryRankSaver:
     """One process, no process group: DCP writes the one part; the publication is the same."""
     model = small_net()
-    return checkpoint.EveryRankSaver(out, model, trained(model), None, is_main=True, keep=keep,
+    return savers.EveryRankSaver(out, model, trained(model), None, is_main=True, keep=keep,
                                      mode=mode, extra={})
 
 
@@ -272,15 +273,15 @@ def test_a_killed_every_rank_write_is_ignored_on_resume_and_cleaned_later(tmp_pa
     resume takes the published checkpoint before it, and the next publication removes it."""
     every_rank_saver(tmp_path)(10, 0)
     model = small_net()
-    state = dcp_checkpoint.state_dict(model, trained(model), {"step": 20}, b"", 0)
-    killed = dcp_checkpoint.partial_path(tmp_path, 20, "0ldrun00")
-    dcp_checkpoint.save(state, killed, None)  # every part and .metadata, never renamed
-    half = dcp_checkpoint.partial_path(tmp_path, 30, "0ldrun00")
+    state = every_rank.state_dict(model, trained(model), {"step": 20}, b"", 0)
+    killed = every_rank.partial_path(tmp_path, 20, "0ldrun00")
+    every_rank.save(state, killed, None)  # every part and .metadata, never renamed
+    half = every_rank.partial_path(tmp_path, 30, "0ldrun00")
     half.mkdir()
     (half / "__0_0.distcp").write_bytes(b"half a part")
-    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path)] == [10]
+    assert [step for step, _ in files.list_checkpoints(tmp_path)] == [10]
     model = small_net()
-    assert checkpoint.resume_training(tmp_path, model, trained(model), rank=0) == 10
+    assert contents.resume_training(tmp_path, model, trained(model), rank=0) == 10
     saver = every_rank_saver(tmp_path)
     saver(11, 0)
     assert sorted(entry.name for entry in tmp_path.iterdir()) == [
@@ -290,11 +291,11 @@ def test_a_killed_every_rank_write_is_ignored_on_resume_and_cleaned_later(tmp_pa
 
 def test_this_runs_own_temporary_directories_are_not_pruned(tmp_path):
     """The other ranks may start the next save before rank 0 prunes after the last one."""
-    mine = dcp_checkpoint.partial_path(tmp_path, 40, "thisrun0")
-    theirs = dcp_checkpoint.partial_path(tmp_path, 40, "0ldrun00")
+    mine = every_rank.partial_path(tmp_path, 40, "thisrun0")
+    theirs = every_rank.partial_path(tmp_path, 40, "0ldrun00")
     for folder in (mine, theirs):
         folder.mkdir()
-    checkpoint.prune(tmp_path, 3, writing="thisrun0")
+    files.prune(tmp_path, 3, writing="thisrun0")
     assert mine.is_dir() and not theirs.exists()
 
 
@@ -302,24 +303,24 @@ def test_pruning_and_resume_take_pt_files_and_dcp_directories_together(tmp_path)
     """A run that switched XSCALE_CHECKPOINT_WRITERS keeps the newest K of both kinds and
     resumes from the newest step, whichever kind it is."""
     torch.manual_seed(0)
-    checkpoint.save(tmp_path, 10, {"step": 10}, keep=3)
+    files.save(tmp_path, 10, {"step": 10}, keep=3)
     every_rank_saver(tmp_path)(20, 0)
-    checkpoint.save(tmp_path, 30, {"step": 30}, keep=3)
+    files.save(tmp_path, 30, {"step": 30}, keep=3)
     saver = every_rank_saver(tmp_path, mode="async")
     saver(40, 1)
     saver.wait()
-    assert [path.name for _, path in checkpoint.list_checkpoints(tmp_path)] == [
+    assert [path.name for _, path in files.list_checkpoints(tmp_path)] == [
         "ckpt-000020.dcp", "ckpt-000030.pt", "ckpt-000040.dcp"]
     model = small_net()
     optimizer = trained(model)
-    assert checkpoint.resume_training(tmp_path, model, optimizer, rank=0) == 40
+    assert contents.resume_training(tmp_path, model, optimizer, rank=0) == 40
     assert runlog.param_digest(model) == runlog.param_digest(saver.model)
-    state = checkpoint.training_state(model, optimizer, step=50, epoch=1)
-    checkpoint.save(tmp_path, 50, state, keep=2)
+    state = contents.training_state(model, optimizer, step=50, epoch=1)
+    files.save(tmp_path, 50, state, keep=2)
     assert sorted(entry.name for entry in tmp_path.iterdir()) == [
         "ckpt-000040.dcp", "ckpt-000050.pt"]  # the removed directory too
     model = small_net()
-    assert checkpoint.resume_training(tmp_path, model, trained(model), rank=0) == 50
+    assert contents.resume_training(tmp_path, model, trained(model), rank=0) == 50
 
 
 @pytest.mark.parametrize("damage", ["truncated part", "no metadata"])
@@ -328,10 +329,10 @@ def test_an_unreadable_newest_directory_falls_back_to_the_previous(tmp_path, cap
     every_rank_saver(tmp_path)(20, 0)
     newest = tmp_path / "ckpt-000020.dcp"
     if damage == "no metadata":
-        (newest / dcp_checkpoint.METADATA).unlink()
+        (newest / every_rank.METADATA).unlink()
     else:
         part = newest / "__0_0.distcp"
         part.write_bytes(part.read_bytes()[:100])
     model = small_net()
-    assert checkpoint.resume_training(tmp_path, model, trained(model), rank=0) == 10
+    assert contents.resume_training(tmp_path, model, trained(model), rank=0) == 10
     assert f"cannot read {newest}" in capsys.readouterr().err

@@ -236,7 +236,7 @@ SLOW_STORAGE = {"PYTHONPATH": str(REPO / "tests" / "fakes" / "slow-storage"),
 
 
 def writes_under_way(out_dir: Path) -> list[str]:
-    """The temporaries of checkpoints being written (xscale.checkpoint's atomic save)."""
+    """The temporaries of checkpoints being written (xscale.checkpoints.files' atomic save)."""
     return sorted(path.name for path in out_dir.glob(".ckpt-*.tmp"))
 
 
@@ -656,7 +656,7 @@ def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):
 # --- atomic checkpoints ----------------------------------------------------------------------
 
 def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
-    from xscale import checkpoint  # the trainers' own loader, as a resumed job runs it
+    from xscale.checkpoints import files  # the trainers' own loader, as a resumed job runs it
 
     halted_save = REPO / "tests" / "programs" / "halted_checkpoint_save.py"
     proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), str(halted_save),
@@ -670,10 +670,10 @@ def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_p
         proc.kill()
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path)] == [10]
-    state = checkpoint.load_latest(tmp_path)
+    assert [step for step, _ in files.list_checkpoints(tmp_path)] == [10]
+    state = files.load_latest(tmp_path)
     assert state["step"] == 10 and bool((state["weights"] == 10.0).all())
-    checkpoint.save(tmp_path, 30, {"step": 30})  # the next save clears the leftover
+    files.save(tmp_path, 30, {"step": 30})  # the next save clears the leftover
     assert not list(tmp_path.glob(".ckpt-*.tmp"))
 
 

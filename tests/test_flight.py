@@ -1,5 +1,5 @@
-"""xscale.flight: a trainer that fails in a collective leaves its flight record where the step
-supervisor looks (XSCALE_FR_DIR), and waits for the supervisor's release before it exits. One
+"""xscale.observe.flight: a trainer that fails in a collective leaves its flight record where the
+step supervisor looks (XSCALE_FR_DIR), and waits for the supervisor's release before it exits. One
 gloo process here; a rank frozen among four on the test bed is tests/test_failures.py's."""
 
 from __future__ import annotations

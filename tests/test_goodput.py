@@ -15,7 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from xscale import contract, goodput_model
+from xscale import goodput_model
+from xscale.shared import contract
 
 from tests.helpers import host_module
 
@@ -106,7 +107,8 @@ def test_tasks_per_node(env, expected):
 # ---- the goodput ledger ---------------------------------------------------------------------
 
 def events(*notes: tuple) -> list[dict]:
-    """(event, step, time[, stall_s]) tuples as rank 0 notes them (python/xscale/progress.py)."""
+    """(event, step, time[, stall_s]) tuples as rank 0 notes them
+    (python/xscale/observe/progress.py)."""
     keys = ("event", "step", "time", "stall_s")
     return [dict(zip(keys, note, strict=False)) for note in notes]  # stall_s: saves only
 
@@ -267,7 +269,7 @@ def test_the_model_for_one_job_and_its_bad_input(capsys):
 
 
 def test_the_notes_the_ranks_write_are_what_the_host_reads(tmp_path: Path, monkeypatch):
-    """One round trip through xscale.contract: rank 0's tally notes its first step, a
+    """One round trip through xscale.shared.contract: rank 0's tally notes its first step, a
     checkpoint and its end into XSCALE_PROGRESS, where the supervisor puts the launch's notes;
     the supervisor's programs (loaded as the batch host loads them) find the training finished
     and book its time, and a stopped launch is not finished."""

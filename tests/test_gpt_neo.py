@@ -188,10 +188,11 @@ def cpu_tally(is_main: bool = True, nodes: int = 2):
 def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_end(
         monkeypatch: pytest.MonkeyPatch):
     from transformers import TrainerControl, TrainerState
-    from xscale import hf
+    from xscale import hf, runtime
 
     votes = []
-    monkeypatch.setattr(hf.runtime, "vote", lambda **_: (votes.append(1) or True, {}))
+    monkeypatch.setattr(hf.runtime, "vote",
+                        lambda **_: runtime.Vote(stop=votes.append(1) or True, every=None))
     callback = hf._StopOnSignal(cpu_tally(), every=5)
     control = callback.on_step_end(None, TrainerState(global_step=7, max_steps=100),
                                    TrainerControl())
@@ -202,7 +203,7 @@ def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_en
     assert callback.stopped_at == 10
     # No signal anywhere: the last step is saved (the runtime's cadence), training goes on to
     # its natural end.
-    monkeypatch.setattr(hf.runtime, "vote", lambda **_: (False, {}))
+    monkeypatch.setattr(hf.runtime, "vote", lambda **_: runtime.Vote(stop=False, every=None))
     callback = hf._StopOnSignal(cpu_tally(), every=5)
     control = callback.on_step_end(None, TrainerState(global_step=100, max_steps=100),
                                    TrainerControl())

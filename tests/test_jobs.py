@@ -450,7 +450,7 @@ def submit(cluster, path: Path, tmp_path: Path, nodes: int, *args: str,
 
 
 def check_summary(output: str, trainer: str, world_size: int) -> dict:
-    # A healthy run: no rank's own work is twice the median's (xscale.stragglers).
+    # A healthy run: no rank's own work is twice the median's (xscale.observe.stragglers).
     assert "xscale: straggler:" not in output, output[-3000:]
     record = check_summary_schema(output, trainer)
     assert record["world_size"] == world_size

@@ -195,8 +195,8 @@ def check_stopped_and_resumed(output: Path, out: Path, steps: int, straggler: st
 
 
 # Three ranks on two nodes (two on nid001, one on nid002): a slowed nid002 leaves a healthy
-# majority, whose median names its rank (xscale.stragglers). Two intervals together, not three:
-# the test waits for the line before it sends the warning.
+# majority, whose median names its rank (xscale.observe.stragglers). Two intervals together, not
+# three: the test waits for the line before it sends the warning.
 THREE_RANKS = ("--nodelist=nid[001-002]", "--ntasks=3")
 STRAGGLER_ENV = {"XSCALE_STRAGGLER_INTERVALS": "2", "OMP_NUM_THREADS": "1"}
 

@@ -1,5 +1,5 @@
-"""xscale.profile_window: the window opens and closes at the configured steps;
-xscale.profile_report: what a profile holds, read back."""
+"""xscale.observe.profile_window: the window opens and closes at the configured steps;
+xscale.observe.profile_report: what a profile holds, read back."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from xscale import profile_report, profile_window
 from xscale.lifecycle import UserError
+from xscale.observe import profile_report, profile_window
 
 # ---------------------------------------------------------------------------------------------
 # profiling: the window opens and closes at the configured steps
@@ -147,7 +147,7 @@ def test_bad_profile_variables_are_user_errors(name, value):
 
 def test_reading_profiles_back_needs_no_torch():
     """`xscale report --profile` runs on a login node, where torch may not be installed."""
-    code = ("import sys, xscale.report, xscale.profile_report; "
+    code = ("import sys, xscale.observe.report, xscale.observe.profile_report; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)

@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from xscale import contract
 from xscale.data import ResumableSampler
 from xscale.recovery import ddp as ddp_kind
 from xscale.recovery import link as rank_link
 from xscale.recovery import live
+from xscale.shared import contract
 
 from tests.conftest import REPO
 from tests.helpers import free_port, host_module, rank_env, results_of

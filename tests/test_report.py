@@ -1,5 +1,5 @@
-"""`xscale report` (and its older spelling, `python -m xscale.report`): the readable summary of a
-job's output, its phase table and picture (xscale.picture)."""
+"""`xscale report` (and `python -m xscale report`): the readable summary of a
+job's output, its phase table and picture (xscale.observe.picture)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from xscale import startup
+from xscale.observe import startup
 
 from tests.conftest import VENV_BIN
 from tests.test_startup import RANKS
@@ -30,7 +30,7 @@ def test_report_reads_a_run_that_resumed_and_took_no_step(tmp_path):
                       'XSCALE_RANK {"rank": 0, "node": "nid001"}\n'
                       'XSCALE_RANK {"rank": 2, "node": "nid002"}\n'
                       f"XSCALE_SUMMARY {json.dumps(record)}\n")
-    proc = subprocess.run([sys.executable, "-m", "xscale.report", str(output)],
+    proc = subprocess.run([sys.executable, "-m", "xscale", "report", str(output)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "none logged (0 steps taken, at step 60)" in proc.stdout
@@ -67,7 +67,7 @@ def colour_rows(image, colour) -> set[int]:
 
 def test_report_prints_the_phase_table_and_draws_one_row_per_node(tmp_path):
     from PIL import Image
-    from xscale import picture
+    from xscale.observe import picture
 
     proc = report(str(job_output(tmp_path, RANKS)), "--png")
     assert proc.returncode == 0, proc.stderr
@@ -87,7 +87,7 @@ def test_report_prints_the_phase_table_and_draws_one_row_per_node(tmp_path):
 
 def test_a_phase_no_rank_recorded_is_left_out_of_the_picture(tmp_path):
     from PIL import Image
-    from xscale import picture
+    from xscale.observe import picture
 
     unlaunched = [startup.RankPhases(r.rank, r.node, {**r.phases, "launch": None, "total": None})
                   for r in RANKS]
@@ -104,7 +104,7 @@ def test_a_phase_no_rank_recorded_is_left_out_of_the_picture(tmp_path):
 def ink_gaps(text: str) -> list[int]:
     """Widths of the blank pixel columns between the inked ones of TEXT as the picture draws it."""
     from PIL import Image, ImageDraw
-    from xscale import picture
+    from xscale.observe import picture
 
     font = picture.text_font()
     width = round(ImageDraw.Draw(Image.new("L", (1, 1))).textlength(text, font=font)) + 8
@@ -156,7 +156,7 @@ def test_report_reads_the_summary_file_itself_or_through_the_line_that_names_it(
     """The line leaves the phases to OUTPUT_DIR/xscale-summary.json: with no XSCALE_RANK lines
     the table comes from the file, whether the report is given the job output or the file; a
     file a later run replaced (another `steps`) is not this run's, and is not read."""
-    from xscale import runlog
+    from xscale.observe import runlog
 
     record = {"trainer": "mnist_ddp", "world_size": 4, "nodes": 2, "start_step": 0,
               "steps": 3, "samples_per_s": 10.0, "tokens_per_s": None, "loss_first": 2.3,

@@ -1,4 +1,5 @@
-"""xscale.runlog: the digest that proves replicas are identical, and the lines a run leaves."""
+"""xscale.observe.runlog: the digest that proves replicas are identical, and the lines a run
+leaves."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from xscale import runlog, startup, steptime, taglines
+from xscale.observe import runlog, startup, steptime
+from xscale.shared import taglines
 
 # ---------------------------------------------------------------------------------------------
 # summary: the digest that proves replicas are identical

@@ -1,4 +1,4 @@
-"""xscale.settings: the one table of XSCALE_* settings, the page printed from it, the typed
+"""xscale.shared.settings: the one table of XSCALE_* settings, the page printed from it, the typed
 readers, and the warning for a name that is no setting. Fast; no cluster."""
 
 from __future__ import annotations
@@ -10,13 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 from xscale import __main__ as cli
-from xscale import checkpoint, dist, profile_window, settings, stragglers
+from xscale import dist
+from xscale.checkpoints import cadence, savers
 from xscale.lifecycle import UserError
+from xscale.observe import profile_window, stragglers
+from xscale.shared import settings
 
 from tests.conftest import REPO
 from tests.helpers import assert_python36_code, find_python36
 
-SETTINGS_PY = REPO / "python" / "xscale" / "settings.py"
+SETTINGS_PY = REPO / "python" / "xscale" / "shared" / "settings.py"
 PAGE = REPO / "docs" / "SETTINGS.md"
 # Where a setting may be read or set: every program of the project, and its tests.
 CODE = ["python", "runscripts", "jobs", "containers", "Makefile", "tests"]
@@ -43,7 +46,7 @@ def names_in(paths: list[str], exclude: Path | None = None) -> set[str]:
 
 def test_the_page_is_printed_from_the_table():
     assert PAGE.read_text() == settings.markdown(), (
-        "docs/SETTINGS.md is not what the table in python/xscale/settings.py prints: "
+        "docs/SETTINGS.md is not what the table in python/xscale/shared/settings.py prints: "
         "run `make settings-doc`")
 
 
@@ -54,7 +57,7 @@ def test_every_name_in_the_code_is_in_the_table():
             prefixes.add(name)
         elif name not in settings.BY_NAME and name not in TAGS:
             unknown.add(name)
-    assert unknown == set(), f"add these to SETTINGS in python/xscale/settings.py: {unknown}"
+    assert unknown == set(), f"add these to SETTINGS in python/xscale/shared/settings.py: {unknown}"
     orphans = {prefix for prefix in prefixes
                if not any(row.name.startswith(prefix) for row in settings.SETTINGS)}
     assert orphans == set(), orphans
@@ -89,7 +92,7 @@ def test_every_reader_has_its_table_on_the_page():
 
 def test_an_unset_setting_is_its_default():
     assert settings.value("XSCALE_SPARES", {}) == 0
-    assert settings.value("XSCALE_NODE_MTBF_H", {}) == checkpoint.NODE_MTBF_H
+    assert settings.value("XSCALE_NODE_MTBF_H", {}) == cadence.NODE_MTBF_H
     assert settings.value("XSCALE_FR_DIR", {}) is None
     assert settings.value("XSCALE_EXPAND_ARGS", {}) is True
 
@@ -150,14 +153,14 @@ def test_check_reads_every_setting_of_a_reader():
 
 
 def test_a_name_the_table_lacks_is_a_mistake_in_the_code():
-    with pytest.raises(KeyError, match="not in xscale.settings.SETTINGS"):
+    with pytest.raises(KeyError, match="not in xscale.shared.settings.SETTINGS"):
         settings.value(SPARE, {})
 
 
 @pytest.mark.parametrize("read", [
-    lambda env: checkpoint.checkpoint_mode(env),
-    lambda env: checkpoint.checkpoint_writers(env),
-    lambda env: checkpoint.node_mtbf_hours(env),
+    lambda env: savers.checkpoint_mode(env),
+    lambda env: savers.checkpoint_writers(env),
+    lambda env: cadence.node_mtbf_hours(env),
     lambda env: dist.timeout_from_env(env),
     lambda env: stragglers.settings(env),
     lambda env: profile_window.window_from_env(0, torch.device("cpu"), env),

@@ -1,4 +1,4 @@
-"""xscale.startup: the start-up phases per rank and their aggregate."""
+"""xscale.observe.startup: the start-up phases per rank and their aggregate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from xscale import startup
+from xscale.observe import startup
 
 from tests.conftest import REPO
 

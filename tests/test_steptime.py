@@ -1,5 +1,5 @@
-"""xscale.steptime: how a rank's step splits into data, compute, communication, checkpoints and
-the rest, which rank the verdict is read from, and what it advises. Two real ranks with DDP
+"""xscale.observe.steptime: how a rank's step splits into data, compute, communication, checkpoints
+and the rest, which rank the verdict is read from, and what it advises. Two real ranks with DDP
 here; the bed's real faults (a throttled link) in the test at the end."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from xscale import bounds, steptime
+from xscale.observe import bounds, steptime
 
 from tests.conftest import REPO, VENV_BIN, tool_env
 from tests.fixtures.imagefolder import write_imagefolder

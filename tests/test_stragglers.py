@@ -1,4 +1,4 @@
-"""xscale.stragglers without the cluster: what is timed, how rank 0 decides, what it says.
+"""xscale.observe.stragglers without the cluster: what is timed, how rank 0 decides, what it says.
 The real thing, one node of the four slowed for real, runs on the test bed
 (tests/test_failures.py)."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from xscale import reductions, spans, stragglers
+from xscale import reductions
 from xscale.lifecycle import UserError
+from xscale.observe import spans, stragglers
 
 
 class Clock:

@@ -24,8 +24,8 @@ HOST_PYTHON = [*(JOBS_LIB / f"{name}.py" for name in ("supervisor", "failure_rep
                                                       "attempt", "launch_line", "coordinator")),
                JOBS_LIB / "stage", JOBS_LIB / "stage-node",
                REPO / "runscripts" / "lib" / "rank_stack.py",
-               *(REPO / "python" / "xscale" / f"{name}.py" for name in ("taglines", "archive",
-                                                                        "contract")),
+               *(REPO / "python" / "xscale" / "shared" / f"{name}.py"
+                 for name in ("taglines", "archive", "contract")),
                REPO / "runscripts" / "lib" / "hostlist.py"]
 
 
@@ -104,7 +104,7 @@ def test_a_listed_node_is_retried_as_a_blamed_one(tmp_path):
 
 
 def run_step(tmp_path: Path, notes: str, *stops: str) -> subprocess.CompletedProcess[str]:
-    """A launch whose rank 0 notes NOTES in its XSCALE_PROGRESS (xscale.contract), then the
+    """A launch whose rank 0 notes NOTES in its XSCALE_PROGRESS (xscale.shared.contract), then the
     judgement of its end with STOPS received."""
     proc = supervisor(tmp_path, "launch", "--", "bash", "-c",
                       'printf "%s" "$1" >>"$XSCALE_PROGRESS"', "launch", notes)

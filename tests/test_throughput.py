@@ -1,10 +1,10 @@
-"""xscale.throughput: the rates count after the warm-up."""
+"""xscale.observe.throughput: the rates count after the warm-up."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from xscale.throughput import Throughput
+from xscale.observe.throughput import Throughput
 
 # ---------------------------------------------------------------------------------------------
 # throughput

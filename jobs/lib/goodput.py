@@ -3,7 +3,7 @@
 The supervisor keeps, per attempt of the job (XSCALE_RECORDS_DIR/attemptA.json,
 jobs/lib/attempt.py), when the attempt started and ended and, per launch of the training, when it
 was launched and ended; rank 0 notes its progress in the launch's attemptA-launchL.progress
-(python/xscale/contract.py: the first step, each log interval, each checkpoint with the time
+(python/xscale/shared/contract.py: the first step, each log interval, each checkpoint with the time
 training was held up, the end). From them, in seconds:
 
     allocated    the attempts' wall time, from the job's start on its nodes to the batch
@@ -131,7 +131,7 @@ def ledger(attempts, progress_of):
 
 def line(book):
     """The line the job ends with, after `goodput: ` (also the ledger's "text", which
-    xscale.report shows)."""
+    xscale.observe.report shows)."""
     allocated = book["allocated_s"]
     if not allocated:
         return "unknown (no training launch ran)"

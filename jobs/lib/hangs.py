@@ -1,10 +1,10 @@
 """Which rank hung: the evidence torch's flight recorder leaves, read on the batch host.
 
 When a collective times out, every rank that waits in it writes its flight record into the
-step's XSCALE_FR_DIR (python/xscale/flight.py; torch's watchdog on NCCL and RCCL). A record holds,
-per process group, the last collective the rank enqueued and the last it completed: a rank that
-waits has enqueued one more than it completed. The rank that never joined that collective is the
-one with no record (a frozen process writes none: SIGSTOP, a GPU stuck in a kernel) or whose
+step's XSCALE_FR_DIR (python/xscale/observe/flight.py; torch's watchdog on NCCL and RCCL). A record
+holds, per process group, the last collective the rank enqueued and the last it completed: a rank
+that waits has enqueued one more than it completed. The rank that never joined that collective is
+the one with no record (a frozen process writes none: SIGSTOP, a GPU stuck in a kernel) or whose
 record stops short of it. That is read from the records themselves, not guessed from timing.
 
 While the step runs, HangWatch waits for the first record; once the records stop coming and one

@@ -5,7 +5,7 @@ The launch's output goes to the job's output as it comes and, copied, to its log
 signals the batch shell writes down (jobs/lib/supervise.sh) or this process receives are passed
 on to it; a watch for a hang (jobs/lib/hangs.py) reads the flight records the ranks leave in the
 launch's own directory, XSCALE_FR_DIR; rank 0 notes its progress in XSCALE_PROGRESS
-(python/xscale/contract.py names both). Standard library only, Python 3.6 and later.
+(python/xscale/shared/contract.py names both). Standard library only, Python 3.6 and later.
 """
 
 import os

@@ -3,11 +3,11 @@ from the rest of the checkout, in one place, and the one way they speak: `xscale
 
 They run on the host's system Python (3.6 on LUMI's and Aurora's batch and login nodes), so they
 use only modules written for it: runscripts/lib/hostlist.py (Slurm's syntax), and
-python/xscale/taglines.py (the reader of XSCALE_SUMMARY), python/xscale/archive.py (staging's
-unpack and publish), python/xscale/contract.py (the files, events and variables the host and
-the ranks exchange) and python/xscale/settings.py (every XSCALE_* setting, typed and checked),
-which the trainers use too. Those four are loaded from their files rather
-than imported as `xscale.taglines`: importing the package would run xscale/__init__.py, whose
+python/xscale/shared/taglines.py (the reader of XSCALE_SUMMARY), python/xscale/shared/archive.py
+(staging's unpack and publish), python/xscale/shared/contract.py (the files, events and variables
+the host and the ranks exchange) and python/xscale/shared/settings.py (every XSCALE_* setting, typed
+and checked), which the trainers use too. Those four are loaded from their files rather than
+imported as `xscale.shared.taglines`: importing the package would run xscale/__init__.py, whose
 imports need a newer Python.
 """
 
@@ -27,7 +27,7 @@ import hostlist  # noqa: E402,F401  (runscripts/lib, shared with get-master and 
 
 
 def _xscale_module(name):
-    path = os.path.join(ROOT, "python", "xscale", name + ".py")
+    path = os.path.join(ROOT, "python", "xscale", "shared", name + ".py")
     spec = importlib.util.spec_from_file_location("xscale_" + name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

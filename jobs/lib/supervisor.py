@@ -292,7 +292,7 @@ def command_judge(settings, stop_file):
 
 def training_finished(log):
     """A launch that ran its training to the end says so in rank 0's progress notes (its `end`
-    event, not stopped: xscale.contract); one without notes is taken as stopped."""
+    event, not stopped: xscale.shared.contract); one without notes is taken as stopped."""
     return contract.training_finished(progress_of(log))
 
 
@@ -421,8 +421,8 @@ def command_finish(settings):
 
 def report_goodput(job_records):
     """The job's goodput so far, across its attempts: one line, the same as XSCALE_GOODPUT {json}
-    for xscale.report, and XSCALE_RECORDS_DIR/goodput.json (jobs/lib/goodput.py). Without the
-    trainer's progress notes, what the supervisor saw, and where the rest comes from."""
+    for xscale.observe.report, and XSCALE_RECORDS_DIR/goodput.json (jobs/lib/goodput.py). Without
+    the trainer's progress notes, what the supervisor saw, and where the rest comes from."""
     attempts = job_records.attempts()
     progress = {launch["log"]: progress_of(launch["log"])
                 for attempt in attempts for launch in attempt.get("launches", [])}

@@ -21,8 +21,8 @@ Settings are XSCALE_* environment variables (docs/SETTINGS.md, `xscale settings`
 Importing xscale does no work and imports nothing heavy: a public name is loaded when first
 used, and the start-up's `imports` moment is marked by the first call that starts a run
 (xscale.start(), XscaleTrainer), once the script's imports are really done
-(docs/STARTUP.md). The batch host's programs (jobs/lib/) load taglines.py, contract.py,
-settings.py and archive.py by path, on Python 3.6 without the package (ARCHITECTURE.md).
+(docs/STARTUP.md). The batch host's programs (jobs/lib/) load xscale/shared/'s modules by
+path, on Python 3.6 without the package (ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ _PUBLIC = {
     "Context": "dist",
     "loader": "data",
     "eval_loader": "data",
-    "atomic_save": "checkpoint",
-    "checkpoint_interval": "checkpoint",
+    "atomic_save": "checkpoints.files",
+    "checkpoint_interval": "checkpoints.cadence",
     "run_and_exit": "lifecycle",
     "UserError": "lifecycle",
 }

@@ -1,16 +1,18 @@
 """`xscale COMMAND [ARGS...]`: the package's command line, installed as the console script
 `xscale` (pyproject.toml) and also run as `python -m xscale`.
 
-    xscale report JOB_OUTPUT|SUMMARY.json [--png]   a run's readable summary (xscale.report)
-    xscale report --profile PROFILE_DIR             its profile summarised (xscale.profile_report)
+    xscale report JOB_OUTPUT|SUMMARY.json [--png]   a run's readable summary
+                                                    (xscale.observe.report)
+    xscale report --profile PROFILE_DIR             its profile summarised
+                                                    (xscale.observe.profile_report)
     xscale goodput-model [--nodes N ...]            requeue against spares over a long campaign
                                                     (xscale.goodput_model, docs/GOODPUT.md)
     xscale settings [--markdown]                    every XSCALE_* setting, its default and
-                                                    what it does (xscale.settings,
+                                                    what it does (xscale.shared.settings,
                                                     docs/SETTINGS.md)
 
-The older spellings, `python -m xscale.report` and `python -m xscale.goodput_model`, still work,
-as does `python -m xscale.settings`.
+`python -m xscale COMMAND` is the same; each module also runs as `python -m MODULE` (the
+module named above).
 Each command's module is imported only when it is chosen: `xscale --help` needs no torch.
 """
 
@@ -21,11 +23,12 @@ import sys
 
 # Command -> (module, one line for --help). Each module has main(argv, prog).
 COMMANDS = {
-    "report": ("xscale.report", "a run's readable summary: its job output or xscale-summary.json, "
-                                "or its profile (--profile DIR)"),
+    "report": ("xscale.observe.report",
+               "a run's readable summary: its job output or xscale-summary.json, "
+               "or its profile (--profile DIR)"),
     "goodput-model": ("xscale.goodput_model",
                       "requeue against spares over a month of training (docs/GOODPUT.md)"),
-    "settings": ("xscale.settings",
+    "settings": ("xscale.shared.settings",
                  "every XSCALE_* setting: its default and what it does (docs/SETTINGS.md)"),
 }
 

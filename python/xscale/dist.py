@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xscale import settings
 from xscale.lifecycle import UserError
 from xscale.recovery import link as links
+from xscale.shared import settings
 
 DEFAULT_TIMEOUT_S = settings.setting("XSCALE_TIMEOUT_S").default
 

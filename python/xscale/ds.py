@@ -1,6 +1,6 @@
 """Glue between xscale and DeepSpeed: the JSON config against the command line and the node
 (prepare: the precision the device can do, the buffers cast with the weights, an arch list
-DeepSpeed's JIT builder can read). An engine's checkpoints are xscale.engine_checkpoint's, which
+DeepSpeed's JIT builder can read). An engine's checkpoints are xscale.checkpoints.engine's, which
 xscale.Loop uses for a model that is an engine.
 
 DeepSpeed is imported by the trainer before it calls this module; prepare() asks DeepSpeed's

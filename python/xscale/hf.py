@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from xscale import flight, lifecycle, profile_window, runtime, startup, stragglers
+from xscale import lifecycle, runtime
 from xscale.dist import (
     DistContext,
     choose_backend,
@@ -35,7 +35,8 @@ from xscale.dist import (
     read_placement,
     timeout_from_env,
 )
-from xscale.throughput import Throughput
+from xscale.observe import flight, profile_window, startup, stragglers
+from xscale.observe.throughput import Throughput
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -71,7 +72,7 @@ class XscaleTrainer(Trainer):
         `resume_from`; a save cut off by the time limit is passed over) unless given one;
         False starts afresh.
     checkpoint_every: "auto" sets save_steps from Young's interval, timed on the run's first
-        save (xscale.checkpoint); None keeps args.save_steps.
+        save (xscale.checkpoints); None keeps args.save_steps.
     report_at_end: train() ends with the summary (XSCALE_SUMMARY and OUTPUT_DIR/
         xscale-summary.json); False: the script calls report(**fields) itself, after its own
         evaluation.
@@ -151,7 +152,7 @@ class XscaleTrainer(Trainer):
 
 def _context(device: torch.device) -> DistContext:
     """This rank's context once Trainer's arguments have joined the group (accelerate does, as
-    TrainingArguments is built): the start-up's `group` moment (xscale.startup). From here a
+    TrainingArguments is built): the start-up's `group` moment (xscale.observe.startup). From here a
     failed collective leaves its flight record, as after xscale.start()."""
     startup.mark("imports")  # for a script whose first xscale call this is
     startup.mark("group")
@@ -238,7 +239,7 @@ class _StopOnSignal(TrainerCallback):
                  auto: _AutoSaveSteps | None = None) -> None:
         self.tally, self.every = tally, every
         self.stopped_at: int | None = None
-        self.watch = watch  # its vector travels in the vote (xscale.stragglers)
+        self.watch = watch  # its vector travels in the vote (xscale.observe.stragglers)
         self.auto = auto
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -263,7 +264,7 @@ class _StopOnSignal(TrainerCallback):
 
 class _TrainCall(TrainerCallback):
     """What this `train()` call did: its first and last step, the losses it logged, its
-    throughput through xscale.throughput (first step left out as warm-up), and its saves'
+    throughput through xscale.observe.throughput (first step left out as warm-up), and its saves'
     stalls in the tally.
 
     Trainer's log_history also holds the entries of the run a checkpoint came from, so the
@@ -272,7 +273,7 @@ class _TrainCall(TrainerCallback):
     books its share so that xscale's sum over ranks is the job's rate. The clock includes the
     evaluations and checkpoints inside training, as the job's time does.
 
-    The step time's data share (xscale.steptime) is the time from the last step's end (or
+    The step time's data share (xscale.observe.steptime) is the time from the last step's end (or
     log, evaluation, save) to the next step's beginning: Trainer fetches the step's batches
     there. The stop vote every ten steps (_StopOnSignal, after this callback) falls into it
     too: one small all-reduce of ranks that the step's own all-reduce has just brought

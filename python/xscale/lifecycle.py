@@ -1,8 +1,8 @@
 """A trainer's life as a process: user errors, the stop signals, its children, and its exit.
 
-The bottom of the package: it imports nothing from xscale but xscale.settings (standard library
-only, where UserError lives), so every other module can raise a UserError or ask whether a stop
-signal came.
+The bottom of the package: it imports nothing from xscale but xscale.shared.settings (standard
+library only, where UserError lives), so every other module can raise a UserError or ask whether a
+stop signal came.
 
 - User errors. A traceback tells a user on rank 713 of a 1024-rank job nothing they can act on,
   and it is printed 1024 times; one line per rank, `PROG: error: ...`, exit status 2, is what
@@ -40,7 +40,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from xscale.settings import UserError
+from xscale.shared.settings import UserError
 
 USAGE_ERROR = 2  # argparse's and run.sh's exit status for a bad command line or setting
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -60,7 +60,7 @@ _failure_hooks: list[Callable[[BaseException], None]] = []
 
 def on_failure(hook: Callable[[BaseException], None]) -> None:
     """Have `hook(error)` run when an exception other than a UserError ends the trainer, before
-    its traceback (xscale.flight's record of a failed collective)."""
+    its traceback (xscale.observe.flight's record of a failed collective)."""
     if hook not in _failure_hooks:
         _failure_hooks.append(hook)
 

@@ -21,7 +21,7 @@ requeued job resumes from it. Slurm's warning comes minutes before the limit (th
 `--signal=B:USR1@300`), ample for a few steps more.
 
 One checkpoint cadence for every trainer: every `checkpoint_every` steps when asked (`auto`:
-Young's interval from the run's first save, xscale.checkpoint), at the end, and at a stop;
+Young's interval from the run's first save, xscale.checkpoints), at the end, and at a stop;
 never twice for the same step. The time saves hold training up, the written ones' wait
 included, is the summary's `checkpoint_stall_s`.
 """
@@ -43,29 +43,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from xscale import (
-    checkpoint,
-    contract,
-    data,
-    engine_checkpoint,
-    flight,
-    lifecycle,
-    profile_window,
-    progress,
-    runlog,
-    settings,
-    startup,
-    steptime,
-    stragglers,
-)
+from xscale import data, lifecycle
+from xscale.checkpoints import cadence, contents, engine, savers
 from xscale.dist import DistContext, init_distributed
 from xscale.lifecycle import UserError
+from xscale.observe import flight, profile_window, progress, runlog, startup, steptime, stragglers
+from xscale.observe.throughput import Throughput
 from xscale.recovery import ddp as ddp_recovery
 from xscale.recovery import live
 from xscale.recovery.link import GroupBroken
 from xscale.recovery.protocol import Position
 from xscale.reductions import all_reduce_sums, gather_to_rank0
-from xscale.throughput import Throughput
+from xscale.shared import contract, settings
 
 # The summary's `seconds` run from here: the trainer's imports are done, nothing else is.
 STARTED = time.perf_counter()
@@ -80,7 +69,7 @@ def start(*, backend: str | None = None, init_method: str | None = None,
 
     Before that it catches Slurm's stop signals (the warning may come during start-up) and
     checks the XSCALE_* settings; afterwards a collective that fails leaves this rank's flight
-    record for the supervisor (xscale.flight). `backend`: nccl, gloo, xccl... (default:
+    record for the supervisor (xscale.observe.flight). `backend`: nccl, gloo, xccl... (default:
     the device's, or XSCALE_BACKEND); `init_method`: pytorch/examples' --dist-url (default:
     MASTER_ADDR/MASTER_PORT from run.sh); `require_gpu`: fail in one line on a rank without
     one. `placement`: rank, world_size, gpu, as pytorch/examples' --rank, --world-size, --gpu.
@@ -117,8 +106,8 @@ def warn_misspelled_settings(is_main: bool) -> None:
 
 
 def first_step_done(device: torch.device) -> None:
-    """The start-up's last moment (xscale.startup). GPU work is asynchronous: the step is done
-    when the device has done it, hence one synchronisation, once per run."""
+    """The start-up's last moment (xscale.observe.startup). GPU work is asynchronous: the step is
+    done when the device has done it, hence one synchronisation, once per run."""
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
     startup.mark("first_step")
@@ -190,15 +179,15 @@ class RunTally:
     """What a run tallies as it trains, whichever loop drives it (Loop, or Hugging Face's Trainer
     through xscale.hf): its first step (the end of the start-up), its log intervals, the time
     each checkpoint held training up, and its end; rank 0 notes each as progress for the step
-    supervisor's goodput ledger (xscale.progress). With `checkpoint_every` auto it also times
-    the steps for Young's interval (auto_interval). Its `clock` splits the steps after
-    `warmup_steps` into data, compute, communication and checkpoints (xscale.steptime): the
+    supervisor's goodput ledger (xscale.observe.progress). With `checkpoint_every` auto it also
+    times the steps for Young's interval (auto_interval). Its `clock` splits the steps after
+    `warmup_steps` into data, compute, communication and checkpoints (xscale.observe.steptime): the
     loop books its batch waits there and calls step() after each optimizer step."""
 
     def __init__(self, ctx: DistContext, warmup_steps: int = 1) -> None:
         self.ctx = ctx
         self.clock = steptime.StepClock(warmup_steps, ctx.world_size, ctx.device)
-        self.node_mtbf_h = checkpoint.node_mtbf_hours()  # a bad setting stops the run first
+        self.node_mtbf_h = cadence.node_mtbf_hours()  # a bad setting stops the run first
         self.progress = progress.Progress(ctx.is_main)
         self.stall_s, self.saves, self.last_stall_s = 0.0, 0, 0.0
         self._first: tuple[int, float] | None = None  # (step, when): steps after it are timed
@@ -242,31 +231,32 @@ class RunTally:
         0 that has timed no step yet (a replacement) adds 0 too: no decision at this vote."""
         if not self.ctx.is_main or step_s is None:
             return Proposal(0.0)
-        every, line = checkpoint.auto_decision(option, self.last_stall_s, write_s, step_s,
+        every, line = cadence.auto_decision(option, self.last_stall_s, write_s, step_s,
                                                self.ctx.nnodes, self.node_mtbf_h)
         print(line, flush=True)
         return Proposal(float(every))
 
 
 def _saver_and_resume(ctx: DistContext, model: nn.Module, optimizer: Any, scaler: Any,
-                      config: LoopConfig, resume: bool) -> tuple[checkpoint.Saver | None,
+                      config: LoopConfig, resume: bool) -> tuple[savers.Saver | None,
                                                                  int | None]:
     """How the loop saves, and the step restored from the newest checkpoint (None: a fresh
     start): the script's own `save=` and `resumed_step`, else a DeepSpeed engine's own
-    checkpointing (xscale.engine_checkpoint), else xscale.checkpoint's with the optimizer."""
+    checkpointing (xscale.checkpoints.engine), else xscale.checkpoints.savers' with the
+    optimizer."""
     if config.save is not None:
-        return checkpoint.ForegroundSaver(config.save), config.resumed_step
+        return savers.ForegroundSaver(config.save), config.resumed_step
     output_dir = config.output_dir
     if output_dir is None:
         return None, None
     if hasattr(model, "save_checkpoint") and hasattr(model, "load_checkpoint"):
-        return (engine_checkpoint.saver(model, output_dir, config.keep_checkpoints),
-                engine_checkpoint.resume(model, output_dir, ctx.rank, resume))
+        return (engine.saver(model, output_dir, config.keep_checkpoints),
+                engine.resume(model, output_dir, ctx.rank, resume))
     if optimizer is None:
         return None, None
-    resumed = checkpoint.resume_training(output_dir, model, optimizer, scaler, rank=ctx.rank,
+    resumed = contents.resume_training(output_dir, model, optimizer, scaler, rank=ctx.rank,
                                          enabled=resume)
-    save = checkpoint.training_saver(output_dir, model, optimizer, scaler, is_main=ctx.is_main,
+    save = savers.training_saver(output_dir, model, optimizer, scaler, is_main=ctx.is_main,
                                      keep=config.keep_checkpoints,
                                      **(config.checkpoint_fields or {}))
     return save, resumed
@@ -297,7 +287,7 @@ class Loop:
     resumes, when it logs, votes on a stop and saves, what it reports.
 
     model: the module trained (DDP-wrapped or not), or a DeepSpeed engine; its own work per
-    step is watched for a straggler (xscale.stragglers). The options (LoopConfig): with
+    step is watched for a straggler (xscale.observe.stragglers). The options (LoopConfig): with
     `output_dir` and an `optimizer` (or an engine), the loop resumes from the newest checkpoint
     there (unless resume=False) and saves one every `checkpoint_every` steps (0: only at the
     end and at a stop; "auto": Young's interval from the first save's cost), keeping the newest
@@ -328,8 +318,8 @@ class Loop:
         self.end_step = data.last_step(self.per_epoch, config.epochs, config.max_steps)
         self.auto_every = config.checkpoint_every == "auto"
         self.checkpoint_every = 0 if self.auto_every else int(config.checkpoint_every)
-        checkpoint.checkpoint_mode()  # a bad setting stops the run before its first step
-        checkpoint.checkpoint_writers()
+        savers.checkpoint_mode()  # a bad setting stops the run before its first step
+        savers.checkpoint_writers()
         warmup_steps = config.warmup_steps
         if warmup_steps is None:
             warmup_steps = min(5, max(1, (self.end_step or 10) // 10))
@@ -611,7 +601,7 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
                   counts_tokens: bool, stragglers: stragglers.StragglerWatch | None,
                   tally: RunTally, output_dir: str | Path | None = None, **own: Any) -> None:
     """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer; the whole
-    summary also into OUTPUT_DIR/xscale-summary.json (xscale.runlog)."""
+    summary also into OUTPUT_DIR/xscale-summary.json (xscale.observe.runlog)."""
     rates = meter.reduced()
     node, phases = contract.node_name(), startup.rank_phases()
     runlog.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node, steps=steps,

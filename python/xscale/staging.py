@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from xscale import archive
 from xscale.lifecycle import UserError
+from xscale.shared import archive
 
 DEFAULT_TIMEOUT_S = 1800.0  # ImageNet's 150 GB from Lustre into RAM takes minutes, not hours
 POLL_S = 0.2

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from xscale import checkpoint, staging
+from xscale import staging
+from xscale.checkpoints import cadence
 from xscale.dist import DistContext
 from xscale.lifecycle import UserError
 from xscale.reductions import SumMeter, mean
@@ -76,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, workers_per: str) -> None:
                         help="checkpoints go here; a run resumes from the newest")
     parser.add_argument("--no-resume", dest="resume", action="store_false",
                         help="start from scratch even if --output-dir has checkpoints")
-    parser.add_argument("--checkpoint-every", type=checkpoint.checkpoint_interval, default=0,
+    parser.add_argument("--checkpoint-every", type=cadence.checkpoint_interval, default=0,
                         metavar="N", help="also save every N steps (0: at the end and on a stop "
                         "signal; auto: Young's interval from the first save's cost)")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="K")

@@ -124,14 +124,14 @@ xs_failure_defaults() {
   xs_default XSCALE_TIMEOUT_S 600
   # torch's flight recorder: a ring buffer of each process group's last collectives, with their
   # sequence numbers, so that a collective that times out names the rank that never joined it
-  # (python/xscale/flight.py; docs/FAILURES.md). 2000 entries, as PyTorch's flight recorder
+  # (python/xscale/observe/flight.py; docs/FAILURES.md). 2000 entries, as PyTorch's flight recorder
   # tutorial recommends; its cost, measured with tests/bench/flight_recorder.py, is in
   # docs/FAILURES.md. With the supervisor's XSCALE_FR_DIR, NCCL's and RCCL's watchdog
   # writes it there when a collective times out, as xscale's trainers do on gloo.
   xs_default TORCH_FR_BUFFER_SIZE 2000
   if [[ -n ${XSCALE_FR_DIR:-} ]]; then
     xs_default TORCH_NCCL_DUMP_ON_TIMEOUT 1
-    xs_default TORCH_FR_DUMP_TEMP_FILE "$XSCALE_FR_DIR/rank"  # + N: xscale.contract.RECORD_PREFIX
+    xs_default TORCH_FR_DUMP_TEMP_FILE "$XSCALE_FR_DIR/rank"  # + N: xscale.shared.contract.RECORD_PREFIX
   fi
   # NCCL_PROXY_DUMP_SIGNAL=N has NCCL install its own handler for signal N (a dump of its proxy
   # state; NCCL's environment variable documentation). Signal 10, SIGUSR1 on Linux, is the

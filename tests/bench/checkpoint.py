@@ -1,10 +1,10 @@
 """How long a checkpoint holds training up: XSCALE_CHECKPOINT_MODE=sync against async, through
-the trainers' own saver (xscale.checkpoint.TrainingSaver), one process on this machine's CPU,
-writing to build/bench-checkpoint in the checkout. Models with their optimizer state after one
+the trainers' own saver (xscale.checkpoints.savers.TrainingSaver), one process on this machine's
+CPU, writing to build/bench-checkpoint in the checkout. Models with their optimizer state after one
 step: imagenet.py's resnet50 with SGD and momentum, the GPT-neo test fixture (tests/fixtures/
-tiny_gpt_neo.py) and a GPT-neo-125M-shaped model (random weights) with AdamW. Per round, one
-save in each mode, interleaved; medians over the rounds. "blocks": the save call, which is all
-training waits for; "writes": the background write that follows (async only).
+tiny_gpt_neo.py) and a GPT-neo-125M-shaped model (random weights) with AdamW. Per round, one save in
+each mode, interleaved; medians over the rounds. "blocks": the save call, which is all training
+waits for; "writes": the background write that follows (async only).
 
 Then whether spreading the write over the ranks pays: 2 and 4 gloo ranks holding the same
 resnet50 state (DDP's case), each saving through the trainers' own saver with
@@ -33,7 +33,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO)]  # the fixtures (tests/); xscale is installed (`make setup`)
 
-from xscale import checkpoint  # noqa: E402
+from xscale.checkpoints import savers  # noqa: E402
 
 
 def resnet50() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -82,7 +82,7 @@ def state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     return sum(storages.values()) / 1e6
 
 
-def timed_save(saver: checkpoint.TrainingSaver, step: int) -> tuple[float, float]:
+def timed_save(saver: savers.TrainingSaver, step: int) -> tuple[float, float]:
     started = time.perf_counter()
     saver(step, 0)
     blocked = time.perf_counter() - started
@@ -102,8 +102,8 @@ def spread_rank(rank: int, world: int, port: int, work: Path, rounds: int) -> No
     torch.manual_seed(0)
     model, optimizer = resnet50()
     one_step(model, optimizer)
-    savers = {(writers, mode): (checkpoint.EveryRankSaver if writers == "all"
-                                else checkpoint.TrainingSaver)(
+    savers = {(writers, mode): (savers.EveryRankSaver if writers == "all"
+                                else savers.TrainingSaver)(
         work / f"{writers}-{mode}", model, optimizer, None, is_main=rank == 0, keep=1, mode=mode,
         extra={}) for writers, mode in SPREAD}
     times: dict[tuple[str, str], list[tuple[float, float]]] = {how: [] for how in SPREAD}
@@ -146,7 +146,7 @@ def models(work: Path, rounds: int) -> None:
         for round_index in range(rounds):
             for mode in times:
                 shutil.rmtree(work, ignore_errors=True)
-                saver = checkpoint.TrainingSaver(work, model, optimizer, None, is_main=True,
+                saver = savers.TrainingSaver(work, model, optimizer, None, is_main=True,
                                                  keep=1, mode=mode, extra={})
                 times[mode].append(timed_save(saver, round_index + 1))
         sync, asynchronous = (statistics.median(blocked for blocked, _ in times[mode])

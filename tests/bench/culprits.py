@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from xscale import taglines
 from xscale.runtime import STOP_VOTE_EVERY as LOG_EVERY
+from xscale.shared import taglines
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
-"""What the step-time breakdown (xscale.steptime) costs per step: 2 gloo ranks on this machine,
-each round a fresh pair of processes training MNIST's model (batch 32) with DDP, without the
-clock or with it (DDP timing one iteration in ten, the buffer-broadcast hooks, a clock read and
+"""What the step-time breakdown (xscale.observe.steptime) costs per step: 2 gloo ranks on this
+machine, each round a fresh pair of processes training MNIST's model (batch 32) with DDP, without
+the clock or with it (DDP timing one iteration in ten, the buffer-broadcast hooks, a clock read and
 the booking of the batch wait per step), interleaved so that the machine's drift falls on both
 alike. Per round: the median step; the issue's budget is 1% of the step.
 
@@ -23,7 +23,7 @@ WARMUP = 20
 
 def rank_main(rank: int, port: int, clocked: bool) -> None:
     import torch.distributed as dist
-    from xscale import steptime
+    from xscale.observe import steptime
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -75,7 +75,7 @@ def main() -> None:
 
 def clock_read_cost(calls: int = 200_000) -> float:
     """One clock step's own cost, without DDP (a rank whose steps are all after the warm-up)."""
-    from xscale import steptime
+    from xscale.observe import steptime
 
     clock = steptime.StepClock(1)
     start = time.perf_counter()

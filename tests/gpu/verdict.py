@@ -2,8 +2,8 @@
 trainer's XSCALE_SUMMARY judged against what the node should have given it, the table printed at
 the end and the same as JSON. No torch and no subprocess here: the unit tests cover all of it.
 
-The summary is read with xscale.report (through xscale.taglines, the one reader of XSCALE_* lines),
-never parsed here.
+The summary is read with xscale.observe.report (through xscale.shared.taglines, the one reader
+of XSCALE_* lines), never parsed here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xscale import report
+from xscale.observe import report
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 

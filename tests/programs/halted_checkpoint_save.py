@@ -10,10 +10,10 @@ import io
 import sys
 
 import torch
-from xscale import checkpoint
+from xscale.checkpoints import files
 
 out = sys.argv[1]
-checkpoint.save(out, 10, {"step": 10, "weights": torch.full((4096,), 10.0)})
+files.save(out, 10, {"step": 10, "weights": torch.full((4096,), 10.0)})
 
 
 def halts_halfway(state, handle):
@@ -28,4 +28,4 @@ def halts_halfway(state, handle):
 
 
 state = {"step": 20, "weights": torch.full((4096,), 20.0)}
-checkpoint.atomic_save(state, checkpoint.checkpoint_path(out, 20), writer=halts_halfway)
+files.atomic_save(state, files.checkpoint_path(out, 20), writer=halts_halfway)

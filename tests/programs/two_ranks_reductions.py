@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from xscale import checkpoint, lifecycle, reductions, runtime, vision
+from xscale import lifecycle, reductions, runtime, vision
+from xscale.checkpoints import contents, files
 from xscale.dist import init_distributed
 from xscale.lifecycle import UserError
-from xscale.throughput import Throughput
+from xscale.observe.throughput import Throughput
 
 ctx = init_distributed()
 out = {"rank": ctx.rank, "world": ctx.world_size, "backend": ctx.backend}
@@ -55,19 +56,19 @@ out["rates_sum_ok"] = abs(rates["samples_per_s"] - 2 * rates["samples_per_s_per_
 # Checkpoints in different directories per rank (node-local storage): refused.
 mine = Path(sys.argv[1]) / f"rank{ctx.rank}"
 if ctx.rank == 0:
-    checkpoint.save(mine, 4, {"step": 4})
+    files.save(mine, 4, {"step": 4})
 try:
-    checkpoint.load_latest(mine)
+    files.load_latest(mine)
     out["disagreement"] = None
 except UserError as error:
     out["disagreement"] = str(error)
 # The same directory: every rank resumes from the same step.
 shared = Path(sys.argv[1]) / "shared"
 if ctx.rank == 0:
-    checkpoint.save(shared, 9, {"step": 9})
+    files.save(shared, 9, {"step": 9})
 torch.distributed.barrier()
-out["shared_step"] = checkpoint.load_latest(shared)["step"]
-rng = checkpoint.gather_rng_states()
+out["shared_step"] = files.load_latest(shared)["step"]
+rng = contents.gather_rng_states()
 out["rng_states"] = len(rng)
 print("RESULT " + json.dumps(out), flush=True)
 lifecycle.exit_cleanly(int(os.environ.get("EXIT_WITH", "0")))

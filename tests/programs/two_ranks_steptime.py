@@ -1,7 +1,7 @@
 """One of two ranks on a real gloo group training a small DDP model through xscale.Loop, with
 its batches from a data set that takes DATA_DELAY_S seconds per sample (default 0: none), as a
 slow file system would; one DataLoader worker, as production has. The run's end prints the
-step-time verdict (xscale.steptime) and rank 0 writes the summary under argv[1].
+step-time verdict (xscale.observe.steptime) and rank 0 writes the summary under argv[1].
 
 tests/test_steptime.py runs two of it (tests.helpers.run_two_ranks); each rank prints one
 `RESULT {json}` line.

@@ -2,7 +2,7 @@
 holds (model, optimizer, data position, caches, device context), leaves the broken group, forms
 the next one with a replacement from a spare node, and trains on (docs/FAILURES.md, "Live
 recovery"; the supervisor's side is jobs/lib/coordinator.py, the messages are
-xscale.contract's).
+xscale.shared.contract's).
 
 From the bottom up, each module importing only those below it:
 

@@ -6,7 +6,7 @@ The link says HELLO, beats, tells the coordinator what this rank sees (its colle
 it left a group, it joined the next, it ended) and hears back ABORT (leave now), HOST_STORE,
 JOIN (the next group's store and the rank whose state every rank takes) and FALLBACK (no live
 recovery: exit). `wait` ends a collective's wait as soon as the group is known broken, so no
-rank sits out a collective timeout for a lost peer. The messages are xscale.contract's.
+rank sits out a collective timeout for a lost peer. The messages are xscale.shared.contract's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xscale import contract, lifecycle, settings
+from xscale import lifecycle
+from xscale.shared import contract, settings
 
 FALLBACK_EXIT = 75  # a rank told that live recovery cannot be (EX_TEMPFAIL): the launch ends
 POLL_S = 0.02  # how often a wait looks at the abort flag (its work's end wakes it at once)

@@ -1,9 +1,10 @@
 """Test bed only: storage that is slow to make a checkpoint durable, as a loaded Lustre is.
 
 tests/test_failures.py puts this directory on a job's PYTHONPATH, so every rank's Python imports
-it at start-up. fsync of a checkpoint's temporary file (xscale.checkpoint's `.ckpt-*.tmp`) then
-takes XSCALE_TEST_SLOW_FSYNC_S seconds longer: a background write is reliably under way when the
-test signals or kills the ranks. Every other fsync, and everything else, is the real one.
+it at start-up. fsync of a checkpoint's temporary file (xscale.checkpoints.files'
+`.ckpt-*.tmp`) then takes XSCALE_TEST_SLOW_FSYNC_S seconds longer: a background write is
+reliably under way when the test signals or kills the ranks. Every other fsync, and everything
+else, is the real one.
 """
 
 import os

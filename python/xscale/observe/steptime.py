@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from xscale.bounds import SHARES, bound_of, verdict
-from xscale.spans import Spans
+from xscale.observe.bounds import SHARES, bound_of, verdict
+from xscale.observe.spans import Spans
 
 # DDP times one iteration in this many (its own default is 100); the clock reads it as often.
 SAMPLE_EVERY = 10
@@ -71,8 +71,8 @@ class Breakdown:
 
 class BufferSync:
     """The time from DDP's forward start to its module's (the buffer broadcast), summed over
-    training forwards once `counting` (xscale.spans: the broadcast runs on the device's stream;
-    its events are read once done, never waited for but at the end)."""
+    training forwards once `counting` (xscale.observe.spans: the broadcast runs on the device's
+    stream; its events are read once done, never waited for but at the end)."""
 
     def __init__(self, ddp: nn.Module, device: torch.device) -> None:
         self.seconds = 0.0

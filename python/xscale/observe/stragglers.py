@@ -40,11 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from xscale import settings as xscale_settings  # this module's settings() keeps its old name
-from xscale.contract import node_name
 from xscale.dist import unwrap
+from xscale.observe.spans import Spans
 from xscale.reductions import gather_to_rank0
-from xscale.spans import Spans
+from xscale.shared import settings as xscale_settings  # this module's settings() keeps its name
+from xscale.shared.contract import node_name
 
 FACTOR_ENV, INTERVALS_ENV = "XSCALE_STRAGGLER_FACTOR", "XSCALE_STRAGGLER_INTERVALS"
 # The least a rank must lose against the median rank to be named: more than a scheduler's

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xscale import checkpoint
+from xscale.checkpoints import contents, savers
 from xscale.lifecycle import UserError
 
 TAG = re.compile(r"^global_step(\d+)$")
@@ -35,7 +35,7 @@ def saved_steps(output_dir: Path) -> list[int]:
 def save(engine: Any, output_dir: Path, step: int, epoch: int, keep: int) -> Path:
     """Every rank: DeepSpeed's checkpoint of step `step`, plus xscale's position and every
     rank's random generators; then rank 0 keeps only the newest `keep`."""
-    client_state = {"step": step, "epoch": epoch, "rng": checkpoint.gather_rng_states()}
+    client_state = {"step": step, "epoch": epoch, "rng": contents.gather_rng_states()}
     engine.save_checkpoint(str(output_dir), tag=tag(step), client_state=client_state)
     if dist.is_initialized():
         dist.barrier()  # every rank's shard is written before old ones go
@@ -63,7 +63,7 @@ def load(engine: Any, output_dir: Path, rank: int) -> tuple[int, int] | None:
         return None
     streams = found.get("rng") or []
     if len(streams) == len(steps):
-        checkpoint.set_rng_state(streams[rank])
+        contents.set_rng_state(streams[rank])
     return int(found["step"]), int(found.get("epoch", 0))
 
 
@@ -75,10 +75,10 @@ def resume(engine: Any, output_dir: Path | None, rank: int, enabled: bool = True
     return None if position is None else position[0]
 
 
-def saver(engine: Any, output_dir: Path | None, keep: int) -> checkpoint.Saver | None:
+def saver(engine: Any, output_dir: Path | None, keep: int) -> savers.Saver | None:
     """xscale.Loop's saver for an engine (every rank writes its shard, before it returns); None
     without an output directory."""
     if output_dir is None:
         return None
-    return checkpoint.ForegroundSaver(lambda step, epoch: save(engine, output_dir, step, epoch,
+    return savers.ForegroundSaver(lambda step, epoch: save(engine, output_dir, step, epoch,
                                                                 keep))

@@ -14,7 +14,7 @@ import math
 
 from PIL import Image, ImageDraw, ImageFont
 
-from xscale.startup import PHASES, RankPhases, slowest_per_node
+from xscale.observe.startup import PHASES, RankPhases, slowest_per_node
 
 # One colour per phase, in PHASES' order (Tableau 10: distinct, and readable when printed grey).
 COLOURS = {"launch": (78, 121, 167), "run_sh": (242, 142, 43), "imports": (225, 87, 89),

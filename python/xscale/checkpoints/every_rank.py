@@ -4,7 +4,7 @@
 deduplicates the tensors that several ranks hold (DDP's replicas) and spreads them over the ranks
 by size, so each rank writes its own `__RANK_0.distcp`; a sharded model's ranks would each write
 their shard. The coordinator (rank 0) writes `.metadata` only after every rank's write has come
-back. Nothing here publishes or prunes: xscale.checkpoint does that, for both formats.
+back. Nothing here publishes or prunes: xscale.checkpoints.files does that, for both formats.
 
 Layout of the state, by key:
   model, optimizer    DCP's state-dict helpers (fully qualified parameter names), so that a

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from xscale import contract, settings
+from xscale.shared import contract, settings
 
 HOLD_S = 30.0  # the supervisor needs a few seconds: the records to settle, py-spy to attach
 POLL_S = 0.2

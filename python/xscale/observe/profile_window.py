@@ -10,7 +10,8 @@ rank 14 for 32 steps). Two ways, chosen by what run.sh / run-profile.sh exported
   NVTX/ROCTX range per step so the timeline reads in steps.
 - XSCALE_TORCH_PROFILER=1 (run-profile.sh's PROFILER=torch): torch.profiler records the window
   itself and writes a Chrome trace into PROFILE_DIR/rank<R>; the end of the run prints its
-  summary (xscale.profile_report: top operators and kernels, the collectives' share, the verdict).
+  summary (xscale.observe.profile_report: top operators and kernels, the collectives' share, the
+  verdict).
 - neither: nothing happens; step() is two integer comparisons.
 At the end of the run an external profiler's rank says where its files go and how to read
 them back (`xscale report --profile PROFILE_DIR`).
@@ -28,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from xscale import profile_report, settings
 from xscale.lifecycle import UserError
+from xscale.observe import profile_report
+from xscale.shared import settings
 
 DEFAULT_START = 10
 DEFAULT_STEPS = 32

@@ -1,15 +1,14 @@
 """Readable summary of a finished run: `xscale report JOB_OUTPUT_FILE [--png]`, or
-`xscale report OUTPUT_DIR/xscale-summary.json` (also `python -m xscale.report ...`); its profile:
-`xscale report --profile PROFILE_DIR` (xscale.profile_report).
+`xscale report OUTPUT_DIR/xscale-summary.json` (also `python -m xscale.observe.report ...`); its
+profile: `xscale report --profile PROFILE_DIR` (xscale.observe.profile_report).
 
 Reads the machine-readable lines a trainer prints (XSCALE_SUMMARY from rank 0, XSCALE_RANK from
 every rank), run.sh's `xscale: launcher=...` line and the supervisor's XSCALE_GOODPUT, and
-the whole summary in the file the summary line names (xscale.taglines.whole_summary), or that
-file alone; prints what a person wants to know, with the start-up phases (xscale.startup): each
-phase's median and slowest rank@node.
-`--png` also draws them, one row per node, into JOB_OUTPUT_FILE.startup.png (xscale.picture).
-Bad input (no such file, no summary, no phases to draw, no readable profile) is one line on
-stderr and status 2.
+the whole summary in the file the summary line names (xscale.shared.taglines.whole_summary), or that
+file alone; prints what a person wants to know, with the start-up phases (xscale.observe.startup):
+each phase's median and slowest rank@node. `--png` also draws them, one row per node, into
+JOB_OUTPUT_FILE.startup.png (xscale.observe.picture). Bad input (no such file, no summary, no phases
+to draw, no readable profile) is one line on stderr and status 2.
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from xscale import profile_report, startup, taglines
+from xscale.observe import profile_report, startup
+from xscale.shared import taglines
 
 
 class ReportError(Exception):
@@ -156,7 +156,7 @@ def report(output: Path, png: bool) -> None:
 
 def save_picture(ranks: list[startup.RankPhases], path: Path) -> None:
     try:  # Pillow, only for the picture: torchvision depends on it, so every image has it
-        from xscale import picture
+        from xscale.observe import picture
     except ImportError as error:
         raise ReportError(f"--png needs Pillow ({error})") from None
     try:
@@ -165,7 +165,7 @@ def save_picture(ranks: list[startup.RankPhases], path: Path) -> None:
         raise ReportError(f"--png: cannot write {path}: {error.strerror or error}") from None
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m xscale.report") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m xscale.observe.report") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path, nargs="?",
                         help="the job's output file, or a run's xscale-summary.json")

@@ -1,6 +1,7 @@
 """What limits a step, and what to do about it: the parts of a step, the advice for each bound
-and the verdict line, shared by the step clock (xscale.steptime) and the profile summary
-(xscale.profile_report). No torch here: `xscale report --profile` runs where torch is not installed.
+and the verdict line, shared by the step clock (xscale.observe.steptime) and the profile summary
+(xscale.observe.profile_report). No torch here: `xscale report --profile` runs where torch is not
+installed.
 """
 
 from __future__ import annotations

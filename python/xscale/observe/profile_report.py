@@ -1,18 +1,18 @@
 """A profile directory, read back: `xscale report --profile DIR`, and the summary a profiled rank
-prints at the end of its run (xscale.profile_window).
+prints at the end of its run (xscale.observe.profile_window).
 
 A torch.profiler trace (`*.pt.trace.json`, `.gz` too) is summarised from its spans:
 - the steps: the `ProfilerStep#N` spans, on the thread that has them (the training thread);
 - the top operators by self time on that thread (an operator's time less its children's);
 - the top device kernels by time, the communication ones marked, and their share of the
   kernel time (LUMI's profiling exercise: once RCCL kernels dominate, the run is network bound);
-- the step split into the parts xscale.steptime measures, from the timeline alone: each moment
-  of a step goes to the first part that claims it. On a device: compute (a kernel other than
-  a collective runs), communication (only collectives run: not hidden), data (the training
-  thread waits in the DataLoader), other. On the CPU, where the training thread computes: data,
-  compute (the thread is in an operator), communication (a collective runs on the backend's
-  threads while the training thread waits for it), other. A trace cannot tell a checkpoint
-  save from other host work, so it has no checkpoint part.
+- the step split into the parts xscale.observe.steptime measures, from the timeline alone: each
+  moment of a step goes to the first part that claims it. On a device: compute (a kernel other than
+  a collective runs), communication (only collectives run: not hidden), data (the training thread
+  waits in the DataLoader), other. On the CPU, where the training thread computes: data, compute
+  (the thread is in an operator), communication (a collective runs on the backend's threads while
+  the training thread waits for it), other. A trace cannot tell a checkpoint save from other host
+  work, so it has no checkpoint part.
 The other profilers' files (nsys, rocprof, unitrace, py-spy) are named, with what opens them.
 No torch here: this runs where torch is not installed (a login node).
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from xscale.bounds import verdict
+from xscale.observe.bounds import verdict
 
 TRACE_ENDINGS = (".pt.trace.json", ".pt.trace.json.gz")
 STEP = "ProfilerStep#"
@@ -245,7 +245,7 @@ def _parts(steps: list[tuple[float, float]], on_thread: list[Span], spans: list[
 
 def _first_step(document: dict, step_spans: list[Span]) -> int:
     """The training step the trace begins at. The profiler counts its steps from its start;
-    xscale.profile_window notes the training step it started at, so that the summary names
+    xscale.observe.profile_window notes the training step it started at, so that the summary names
     training steps."""
     numbers = [int(span.name[len(STEP):]) for span in step_spans
                if span.name[len(STEP):].isdigit()]

@@ -1,7 +1,7 @@
 """The one reader of the machine-readable lines xscale prints: `TAG {json}` (XSCALE_SUMMARY from
 rank 0, XSCALE_RANK from every rank), as they arrive through `srun --label`, and of the whole
 summary a run leaves in its output directory (xscale-summary.json, which the line's
-`summary_file` names: the line leaves out the per-phase start-up detail, xscale.runlog).
+`summary_file` names: the line leaves out the per-phase start-up detail, xscale.observe.runlog).
 
 Shared with the batch host: jobs/lib/supervisor.py reads a step's summary with it to tell a
 finished training from a stopped one, and `xscale report` and the tests read the same
@@ -15,8 +15,8 @@ import re
 
 # srun --label cuts every output line after 1024 bytes and prints the rest as a line of its own,
 # labelled again ("0: AAA...A" then "0: AAA"): the job templates run srun --label. xscale's own
-# summary line stays shorter (xscale.runlog.LINE_BUDGET); a trainer's other long lines, and the
-# summaries of xscale before it did, are joined again here. Measured with Slurm 22.05
+# summary line stays shorter (xscale.observe.runlog.LINE_BUDGET); a trainer's other long lines, and
+# the summaries of xscale before it did, are joined again here. Measured with Slurm 22.05
 # (tests/test_taglines.py).
 SRUN_LABEL_CUT = 1024
 SRUN_LABEL = re.compile(r"^ *(\d+): (.*)$")

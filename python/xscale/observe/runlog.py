@@ -1,11 +1,11 @@
 """The run log: what a person watches while a run goes on, and the records it leaves.
 
 - TrainLog: the loss reduced every `log_every` steps, a tqdm bar and TensorBoard, on rank 0.
-- The machine-readable lines, for tests, benchmarks, the supervisor and xscale.report
-  (xscale.taglines reads them). Every rank: `XSCALE_RANK {json}` (rank, local_rank, node, steps,
-  param_digest, startup): replicas that are really replicas have the same digest, the cheapest
-  proof that gradients were reduced; startup holds the rank's start-up phases in seconds
-  (xscale.startup).
+- The machine-readable lines, for tests, benchmarks, the supervisor and xscale.observe.report
+  (xscale.shared.taglines reads them). Every rank: `XSCALE_RANK {json}` (rank, local_rank, node,
+  steps, param_digest, startup): replicas that are really replicas have the same digest, the
+  cheapest proof that gradients were reduced; startup holds the rank's start-up phases in seconds
+  (xscale.observe.startup).
 - The summary, rank 0's, in two places. Whole, every field, in SUMMARY_FILE in the run's output
   directory; then, as the run's last line, `XSCALE_SUMMARY {json}`: the same record without the
   per-phase start-up detail, short enough that `srun --label` never cuts it (LINE_BUDGET), so
@@ -52,9 +52,9 @@ SUMMARY_FILE = "xscale-summary.json"
 # 700 bytes on a large job, and the step time's rank and each share's lowest and highest rank
 # 400; the line would not fit with them.
 FILE_ONLY = ("startup", "step_time_ranks")
-# srun --label cuts a line's text after 1024 bytes (xscale.taglines.SRUN_LABEL_CUT) and prefixes
-# it with the task's number, as wide as the job's largest ("123456: "). The line's JSON stays
-# within this many bytes, so that even counting its tag and that label it keeps 11 bytes to
+# srun --label cuts a line's text after 1024 bytes (xscale.shared.taglines.SRUN_LABEL_CUT) and
+# prefixes it with the task's number, as wide as the job's largest ("123456: "). The line's JSON
+# stays within this many bytes, so that even counting its tag and that label it keeps 11 bytes to
 # spare (19 of the text srun counts).
 LINE_BUDGET = 990
 # Where a line would still be longer (output paths of unusual length, a trainer with many fields

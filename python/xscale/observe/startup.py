@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from xscale import settings
+from xscale.shared import settings
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 (CUDA/HIP, XPU) elsewhere, so that timing adds no host synchronisation. A span's events are read
 when taken, once done; `take(wait=True)` waits for the last one (work long finished by then,
 at a log interval or the run's end). Used by the straggler watch (forward passes) and the step
-time's buffer broadcast (xscale.stragglers, xscale.steptime)."""
+time's buffer broadcast (xscale.observe.stragglers, xscale.observe.steptime)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ attemptA-launchL.log (launch L of attempt A of the job: a requeue starts the nex
 launch's other files are named after its log (launch_file):
 
     .fr/            XSCALE_FR_DIR: each rank's flight record of a failed collective, rankN
-                    (xscale.flight, torch's watchdog); the supervisor writes .fr/released once it
-                    has read them and the ranks may exit (jobs/lib/hangs.py)
+                    (xscale.observe.flight, torch's watchdog); the supervisor writes
+                    .fr/released once it has read them and the ranks may exit
+                    (jobs/lib/hangs.py)
     .progress       XSCALE_PROGRESS: rank 0's progress notes, one JSON line per event (below),
                     for the goodput ledger and for whether the training finished
     .stack-rankN.txt  the Python stack of rank N that left no flight record (py-spy)
