@@ -59,7 +59,8 @@ class Recoverable(Protocol):
         loop does not count the step."""
 
     def state_size(self) -> StateSize:
-        """What this rank would hand over (logged with each recovery)."""
+        """What this rank would hand over. Nothing reads it yet: the peer snapshots of sharded
+        kinds will size their host memory from it (docs/ARCHITECTURE.md)."""
 
     def leave(self) -> None:
         """Abort the broken group's work: every collective still waited on ends now."""
