@@ -242,3 +242,24 @@ def results_of(runs: list) -> list[dict]:
         line = next(x for x in out.splitlines() if x.startswith("RESULT "))
         records.append(json.loads(line.split(" ", 1)[1]))
     return records
+
+
+FORKED_RUNS = Path(__file__).resolve().parent / "programs" / "forked_runs.py"
+
+
+def run_forked(commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
+               preload: tuple[str, ...] = ("torch",), env: dict[str, str] | None = None,
+               timeout: float = 600) -> list[subprocess.CompletedProcess[str]]:
+    """Each (ARGV, ENV) as `python ARGV` with that environment, in a process of its own, but
+    forked from one interpreter that imported PRELOAD once (tests/programs/forked_runs.py):
+    for many short command lines whose own work is a fraction of `import torch`. ENV is that
+    interpreter's: where a preloaded library reads a variable when imported (the Hugging Face
+    libraries read HF_HOME), it must hold the value every command line has."""
+    runs = [{"argv": argv, "env": run_env, "cwd": str(cwd)} for argv, run_env in commands]
+    proc = subprocess.run([sys.executable, str(FORKED_RUNS), *preload], input=json.dumps(runs),
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [subprocess.CompletedProcess(argv, result["returncode"], result["stdout"],
+                                        result["stderr"])
+            for (argv, _), result in zip(commands, json.loads(proc.stdout), strict=True)]

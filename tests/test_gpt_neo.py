@@ -6,12 +6,18 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import block_placed, rank_records, summary, tagged_records, trainer_module
+from tests.helpers import (
+    block_placed,
+    rank_records,
+    run_forked,
+    summary,
+    tagged_records,
+    trainer_module,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER = "python/gpt_neo_imdb.py"
@@ -30,14 +36,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from tests.fixtures.tiny_gpt_neo import build
 
     return build(tmp_path_factory.mktemp("tiny_gpt_neo"))
-
-
-def run_trainer(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """One process, no launcher: the trainer as a user would start it on a laptop."""
-    return subprocess.run(
-        [sys.executable, TRAINER, *args], cwd=REPO, capture_output=True, text=True,
-        timeout=300, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-    )
 
 
 def test_seed_command_line_parses_with_the_workshop_defaults():
@@ -64,32 +62,45 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, *words: str) -> Non
     assert "XSCALE_SUMMARY" not in proc.stdout
 
 
-def test_seed_command_without_the_model_in_the_cache_is_one_error_line(tmp_path: Path):
-    proc = run_trainer(*SEED_ARGS, env={"HF_HOME": str(tmp_path / "empty-hf-home")})
-    assert_one_error_line(proc, "EleutherAI/gpt-neo-1.3B", "Hugging Face cache")
+@pytest.fixture(scope="module")
+def error_runs(tiny, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each mistake's command line as its own process, forked from one interpreter that
+    imported torch and the Hugging Face libraries once (tests/helpers.run_forked), all with an
+    empty HF_HOME (read when they are imported) and HF_HUB_OFFLINE=1: the trainer as a user
+    would start it on a laptop, without a launcher."""
+    (model, data), tmp = tiny, tmp_path_factory.mktemp("gpt-neo-errors")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "empty-hf-home")}
+    commands = {
+        "seed command": [*SEED_ARGS],
+        "dataset not cached": ["--pretrained-model", str(model)],
+        "dataset folder empty": ["--pretrained-model", str(model), "--dataset", str(tmp)],
+        "model folder missing": ["--pretrained-model", str(tmp / "nope"), "--dataset", str(data)],
+        "xccl on a cpu": ["--pretrained-model", str(model), "--dataset", str(data)],
+    }
+    backend = {"xccl on a cpu": {"XSCALE_BACKEND": "xccl"}}
+    runs = run_forked([([TRAINER, *args], {**env, **backend.get(name, {})})
+                       for name, args in commands.items()], REPO, env=env,
+                      preload=("torch", "datasets", "transformers", "xscale.hf"))
+    return dict(zip(commands, runs, strict=True))
 
 
-def test_missing_dataset_is_one_error_line(tiny, tmp_path: Path):
-    model, _ = tiny
-    hf_home = {"HF_HOME": str(tmp_path / "empty-hf-home")}
-    not_cached = run_trainer("--pretrained-model", str(model), env=hf_home)
-    assert_one_error_line(not_cached, "--dataset 'imdb'", "Hugging Face cache")
-    empty_dir = run_trainer("--pretrained-model", str(model), "--dataset", str(tmp_path),
-                            env=hf_home)
-    assert_one_error_line(empty_dir, "train.*")
+def test_seed_command_without_the_model_in_the_cache_is_one_error_line(error_runs):
+    assert_one_error_line(error_runs["seed command"], "EleutherAI/gpt-neo-1.3B",
+                          "Hugging Face cache")
 
 
-def test_missing_model_directory_is_one_error_line(tiny, tmp_path: Path):
-    _, data = tiny
-    proc = run_trainer("--pretrained-model", str(tmp_path / "nope"), "--dataset", str(data))
-    assert_one_error_line(proc, "no such directory")
+def test_missing_dataset_is_one_error_line(error_runs):
+    assert_one_error_line(error_runs["dataset not cached"], "--dataset 'imdb'",
+                          "Hugging Face cache")
+    assert_one_error_line(error_runs["dataset folder empty"], "train.*")
 
 
-def test_a_backend_the_device_cannot_use_is_one_error_line(tiny):
-    model, data = tiny
-    proc = run_trainer("--pretrained-model", str(model), "--dataset", str(data),
-                       env={"XSCALE_BACKEND": "xccl"})
-    assert_one_error_line(proc, "backend xccl needs an Intel GPU (XPU)")
+def test_missing_model_directory_is_one_error_line(error_runs):
+    assert_one_error_line(error_runs["model folder missing"], "no such directory")
+
+
+def test_a_backend_the_device_cannot_use_is_one_error_line(error_runs):
+    assert_one_error_line(error_runs["xccl on a cpu"], "backend xccl needs an Intel GPU (XPU)")
 
 
 def in_container(*command: str) -> list[str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, Job, tool_env, torch_extensions
+from tests.conftest import ENDED, REPO, VENV_BIN, Job, tool_env, torch_extensions
 from tests.helpers import check_summary_schema, env_lines, rank_records, wait_for
 
 LUMI = sorted((REPO / "jobs" / "lumi").glob("*.sbatch"))
@@ -419,12 +419,6 @@ def virtual_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     }
     env.update(extra)
     return env
-
-
-# Where a job can end up; we poll for these rather than `sbatch --wait`, whose back-off between
-# polls (up to 32 s) would double the time of these short jobs.
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-         "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 
 
 def submit(cluster, path: Path, tmp_path: Path, nodes: int, *args: str,

@@ -23,7 +23,7 @@ import pytest
 from xscale import staging
 from xscale.lifecycle import UserError
 
-from tests.conftest import REPO, Cluster, tool_env
+from tests.conftest import REPO, Cluster
 
 STAGE = REPO / "jobs" / "lib" / "stage"
 STAGE_NODE = REPO / "jobs" / "lib" / "stage-node"
@@ -168,16 +168,13 @@ echo "STATUS=$status"
 def sbatch(cluster: Cluster, script: str, tmp_path: Path, env: dict[str, str]) -> str:
     job_file = tmp_path / "job.sh"
     job_file.write_text(script)
-    output = tmp_path / "job.out"
-    proc = subprocess.run(
-        ["sbatch", "--parsable", "--wait", "-o", str(output), "--partition=debug",
-         "--nodes=4", "--ntasks-per-node=2", "--time=00:10:00", str(job_file)],
-        cwd=tmp_path, env=tool_env({"XSCALE_ROOT": str(REPO), **env}), capture_output=True,
-        text=True, timeout=WAIT_S, check=False,
-    )
-    text = output.read_text() if output.exists() else ""
-    assert proc.returncode == 0, f"{proc.stdout}{proc.stderr}\n{text}"
-    return text
+    job = cluster.sbatch(job_file, output=tmp_path / "job.out",
+                         env={"XSCALE_ROOT": str(REPO), **env},
+                         sbatch_options=(f"--chdir={tmp_path}", "--partition=debug", "--nodes=4",
+                                         "--ntasks-per-node=2", "--time=00:10:00"),
+                         timeout=WAIT_S)
+    assert job.state == "COMPLETED", f"job {job.job_id}: {job.state}\n{job.output}"
+    return job.output
 
 
 def staging_dirs(cluster: Cluster) -> dict[str, list[Path]]:

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from xscale.observe import bounds, steptime
 
-from tests.conftest import REPO, VENV_BIN, tool_env
+from tests.conftest import ENDED, REPO, VENV_BIN, tool_env
 from tests.fixtures.imagefolder import write_imagefolder
 from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import check_step_time, results_of, run_two_ranks, tagged_records
-from tests.test_jobs import ENDED, WAIT_S
+from tests.test_jobs import WAIT_S
 
 PROGRAM = (REPO / "tests" / "programs" / "two_ranks_steptime.py").read_text()
 

@@ -18,7 +18,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from tests.conftest import torch_extensions
 from tests.fixtures.imagefolder import write_imagefolder, write_tar
 from tests.fixtures.mnist_idx import write_mnist
-from tests.helpers import block_placed, rank_records, summary, wait_for, whole_summary_lines
+from tests.helpers import (
+    block_placed,
+    rank_records,
+    run_forked,
+    summary,
+    wait_for,
+    whole_summary_lines,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 MNIST = "python/mnist_ddp.py"
@@ -133,7 +140,7 @@ def user_error_cases(mnist: Path, folder: Path, tmp: Path) -> list[tuple[list[st
     empty.mkdir(exist_ok=True)
     bad_json = tmp / "bad.json"
     bad_json.write_text("{ not json")
-    out = ["--output-dir", str(tmp / "out")]
+    out = ["--output-dir", str(tmp / "out")]  # each case's own: see user_error_runs
     return [
         ([MNIST, "--data", str(tmp / "nowhere"), *out], {},
          f"mnist_ddp.py: error: --data '{tmp / 'nowhere'}': no such directory"),
@@ -174,16 +181,31 @@ CASE_IDS = ["mnist-no-dir", "mnist-no-idx", "mnist-bad-rank", "mnist-gpu-without
             "ds-no-config", "ds-bad-config", "ds-fp16-on-cpu"]
 
 
+@pytest.fixture(scope="module")
+def user_error_runs(mnist_dir, images, tmp_path_factory) -> list[tuple]:
+    """Every case run once, each in a folder of its own, as forks of one interpreter that
+    imported torch and torchvision (tests/helpers.run_forked): a dozen command lines whose own
+    work is a fraction of their imports. Per case: (the run, the expected line, its folder)."""
+    cases, folders = [], []
+    for index, case_id in enumerate(CASE_IDS):
+        folder = tmp_path_factory.mktemp(case_id)
+        cases.append(user_error_cases(mnist_dir, images[0], folder)[index])
+        folders.append(folder)
+    runs = run_forked([(args, clean_env(**env)) for args, env, _ in cases], REPO,
+                      preload=("torch", "torchvision"))
+    return [(proc, expected, folder)
+            for proc, (_, _, expected), folder in zip(runs, cases, folders, strict=True)]
+
+
 @pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
-def test_user_errors_are_one_line_and_train_nothing(case, mnist_dir, images, tmp_path):
-    args, env, expected = user_error_cases(mnist_dir, images[0], tmp_path)[case]
-    proc = run_one(*args, env=clean_env(**env), timeout=120)
+def test_user_errors_are_one_line_and_train_nothing(case, user_error_runs):
+    proc, expected, folder = user_error_runs[case]
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(expected), proc.stderr
     assert "Traceback" not in proc.stderr
     assert "XSCALE_" not in proc.stdout
-    assert not (tmp_path / "out").exists()
+    assert not (folder / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------
