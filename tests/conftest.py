@@ -147,12 +147,13 @@ class Cluster:
         env: dict[str, str] | None = None,
         output: Path | None = None,
         timeout: float = 600,
+        cwd: Path = REPO,
     ) -> str:
-        """sbatch the script and return its job id."""
+        """sbatch the script from CWD (the job's submit directory) and return its job id."""
         out_opts = ("-o", str(output)) if output else ()
         proc = subprocess.run(
             ["sbatch", "--parsable", *out_opts, *sbatch_options, str(script), *args],
-            cwd=REPO,
+            cwd=cwd,
             env=tool_env(env),
             capture_output=True,
             text=True,
@@ -172,12 +173,13 @@ class Cluster:
         env: dict[str, str] | None = None,
         output: Path | None = None,
         timeout: float = 600,
+        cwd: Path = REPO,
     ) -> Job:
         """Submit, wait for the job to end, and return its state and output. The wait polls
         the job's state rather than use `sbatch --wait`, whose back-off between polls (2, 8, then
         32 s) returns a 12 s job after 42 s."""
         job_id = self.submit(script, *args, sbatch_options=sbatch_options, env=env,
-                             output=output, timeout=timeout)
+                             output=output, timeout=timeout, cwd=cwd)
         try:
             self.wait_state(job_id, ENDED, timeout)
         except AssertionError:

@@ -114,7 +114,8 @@ SIGNAL_DAMAGE = ("killed by signal", "exited unexpectedly", "Traceback", "leaked
 
 def test_four_ranks_on_two_nodes_stop_on_usr1_to_the_step_and_resume(cluster, tiny,
                                                                       tmp_path: Path):
-    """The LUMI templates' path: 2 DataLoader workers per rank (spawned, as on GPUs) and USR1
+    """The LUMI templates' path: a DataLoader worker per rank (spawned, as on GPUs; one, not the
+    templates' seven: each spawned worker imports transformers again, seconds of CPU) and USR1
     to every process of the step (`scancel --signal=USR1 JOB.0`, what `--signal=B:USR1@300`
     and the template's forwarding do): all ranks stop at one step, Trainer saves it, exit 0,
     no worker or resource tracker dies of the signal; the next run resumes there. With
@@ -134,7 +135,7 @@ def test_four_ranks_on_two_nodes_stop_on_usr1_to_the_step_and_resume(cluster, ti
     # run.sh gives each of a node's two ranks one of its two CPUs (--cpu-bind=none).
     env = {"HF_HUB_OFFLINE": "1"}
     first = cluster.srun_signalled(
-        *command(100000, workers=2), env=env,
+        *command(100000, workers=1), env=env,
         ready=(out / "tiny" / "checkpoint-10" / "trainer_state.json").exists)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     for damage in SIGNAL_DAMAGE:

@@ -170,9 +170,9 @@ def sbatch(cluster: Cluster, script: str, tmp_path: Path, env: dict[str, str]) -
     job_file.write_text(script)
     job = cluster.sbatch(job_file, output=tmp_path / "job.out",
                          env={"XSCALE_ROOT": str(REPO), **env},
-                         sbatch_options=(f"--chdir={tmp_path}", "--partition=debug", "--nodes=4",
+                         sbatch_options=("--partition=debug", "--nodes=4",
                                          "--ntasks-per-node=2", "--time=00:10:00"),
-                         timeout=WAIT_S)
+                         timeout=WAIT_S, cwd=tmp_path)
     assert job.state == "COMPLETED", f"job {job.job_id}: {job.state}\n{job.output}"
     return job.output
 
