@@ -26,6 +26,7 @@ from tests.helpers import (
     wait_for,
     whole_summary_lines,
 )
+from tests.test_jobs import check_summary, lumi, submit, virtual_env
 
 REPO = Path(__file__).resolve().parent.parent
 MNIST = "python/mnist_ddp.py"
@@ -229,8 +230,20 @@ def test_mnist_one_process_reads_gzip_in_torchvision_layout_and_saves_the_model(
     assert "conv1.weight" in weights  # mnist_DDP.py's state_dict file
 
 
+@pytest.fixture(scope="module")
+def mnist_straight_to_20(mnist_dir, tmp_path_factory) -> set[str]:
+    """The parameter digests of a 2-rank run of 20 steps that was never interrupted (how its
+    checkpoints are written changes nothing in its weights)."""
+    straight = run_ranks(2, MNIST, "--data", str(mnist_dir), *MNIST_TINY, "--max-steps", "20",
+                         "--output-dir", str(tmp_path_factory.mktemp("straight")))
+    assert straight[0] == [0, 0], straight[2]
+    assert len(digests(straight[1])) == 1
+    return digests(straight[1])
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_mnist_resume_continues_exactly_where_it_stopped(mnist_dir, tmp_path, mode):
+def test_mnist_resume_continues_exactly_where_it_stopped(mnist_dir, mnist_straight_to_20,
+                                                         tmp_path, mode):
     base = [MNIST, "--data", str(mnist_dir), *MNIST_TINY]
     saves = {"XSCALE_CHECKPOINT_MODE": mode}
     first = run_ranks(2, *base, "--max-steps", "12", "--checkpoint-every", "5", "--output-dir",
@@ -240,15 +253,12 @@ def test_mnist_resume_continues_exactly_where_it_stopped(mnist_dir, tmp_path, mo
     assert summary(first[1])["checkpoints_saved"] == 3  # steps 5, 10 and the last, 12
     resumed = run_ranks(2, *base, "--max-steps", "20", "--output-dir", str(tmp_path / "a"),
                         extra=saves)
-    straight = run_ranks(2, *base, "--max-steps", "20", "--output-dir", str(tmp_path / "b"),
-                         extra=saves)
-    assert resumed[0] == [0, 0] and straight[0] == [0, 0], resumed[2] + straight[2]
+    assert resumed[0] == [0, 0], resumed[2]
     record = summary(resumed[1])
     assert (record["start_step"], record["steps"]) == (12, 20)
     # Weights, optimizer, data order and random streams all resumed: bit for bit the same
     # model as the run that was never interrupted.
-    assert digests(resumed[1]) == digests(straight[1])
-    assert len(digests(straight[1])) == 1
+    assert digests(resumed[1]) == mnist_straight_to_20
 
 
 def test_a_stop_signal_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(mnist_dir,
@@ -436,6 +446,9 @@ def test_imagenet_on_two_nodes_with_the_seed_command_line_stops_then_resumes(clu
 
 
 def test_imagenet_deepspeed_on_two_nodes_stops_on_usr1_and_resumes(cluster, images, tmp_path):
+    """DeepSpeed ZeRO-1 on 2 nodes x 2: USR1 to the step stops every rank at one step with its
+    checkpoint; then jobs/lumi/imagenet-deepspeed.sbatch, as a requeued job of it would, resumes
+    there and ends as every template's run does (tests/test_jobs.py's check_summary)."""
     folder, _ = images
     out = tmp_path / "out"
     common = [DEEPSPEED, *DS_TINY, "-j", "2", "--output-dir", str(out), "--checkpoint-every",
@@ -445,6 +458,16 @@ def test_imagenet_deepspeed_on_two_nodes_stops_on_usr1_and_resumes(cluster, imag
     stopped_at = first["steps"]
     assert (first["zero_stage"], first["dtype"], first["global_batch_size"]) == (1, "float32", 64)
     assert (out / "latest").read_text().strip() == f"global_step{stopped_at}"
-    second = check_run(srun(cluster, *common, "--max-steps", str(stopped_at + 4), env=DS_ENV),
-                       "imagenet_deepspeed", stopped_at + 4, stopped_at)
+    # The template's options for the run above: BATCH_SIZE is per node, WORKERS per rank.
+    template = virtual_env(tmp_path, DATA=str(folder), OUTPUT_DIR=str(out), **DS_ENV,
+                           DS_CONFIG=str(REPO / CPU_CONFIG), ARCH="resnet18", IMAGE_SIZE="32",
+                           BATCH_SIZE="32", WORKERS="2", EPOCHS="1000", CHECKPOINT_EVERY="2",
+                           MAX_STEPS=str(stopped_at + 4))
+    job = submit(cluster, lumi("imagenet-deepspeed.sbatch"), tmp_path, 2, env=template)
+    second = check_summary(job.output, "imagenet_deepspeed", 4, steps=stopped_at + 4)
+    assert second["start_step"] == stopped_at
     assert second["loss_first"] < first["loss_first"]
+    ranks = rank_records(job.output)
+    block_placed(ranks)  # ranks 0-1 on one node, 2-3 on another
+    assert {r["steps"] for r in ranks} == {stopped_at + 4}
+    assert len({r["param_digest"] for r in ranks}) == 1, ranks  # replicas are identical
