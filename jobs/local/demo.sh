@@ -21,15 +21,28 @@ xscale demo: the data is synthetic: MNIST's file format, but ten fixed blocky pa
   and noisy (tests/fixtures/mnist_idx.py), because the test bed downloads nothing. A small CNN
   learns them within tens of steps, so the accuracy comes out near 1.000.
 NOTE
-printf 'xscale demo: submitting jobs/local/mnist.sbatch (2 nodes x 2 ranks) ...\n'
-job_id=$(sbatch --parsable --wait --output="$DEMO_DIR/mnist-%j.out" \
-  --export=ALL,DATA="$DEMO_DIR/mnist" jobs/local/mnist.sbatch) || {
-  status=$?
-  printf 'demo: error: the job failed (sbatch exit %s); its output is in %s\n' \
-    "$status" "$DEMO_DIR" >&2
-  tail -n 20 "$DEMO_DIR"/mnist-*.out >&2 || true
-  exit 1
+# The state of job $1 (PENDING, RUNNING, COMPLETED, ...), from slurmctld.
+job_state() {
+  local info
+  info=$(scontrol show job -o "$1")
+  info=${info#*JobState=}
+  printf '%s\n' "${info%% *}"
 }
+
+printf 'xscale demo: submitting jobs/local/mnist.sbatch (2 nodes x 2 ranks) ...\n'
+job_id=$(sbatch --parsable --output="$DEMO_DIR/mnist-%j.out" \
+  --export=ALL,DATA="$DEMO_DIR/mnist" jobs/local/mnist.sbatch)
+# Polled, not `sbatch --wait`: its back-off (2, 8, then 32 s between polls) would keep this
+# 20 s job waiting for 42 s.
+while [[ $(job_state "$job_id") =~ ^(PENDING|CONFIGURING|RUNNING|COMPLETING|REQUEUED)$ ]]; do
+  sleep 0.5
+done
+state=$(job_state "$job_id")
+if [[ $state != COMPLETED ]]; then
+  printf 'demo: error: job %s ended %s; its output is in %s\n' "$job_id" "$state" "$DEMO_DIR" >&2
+  tail -n 20 "$DEMO_DIR/mnist-$job_id.out" >&2 || true
+  exit 1
+fi
 printf 'xscale demo: job %s finished; output in %s\n' "$job_id" "$DEMO_DIR/mnist-$job_id.out"
 # --png: the start-up phases as a picture too, one row per node, beside the output.
 xscale report --png "$DEMO_DIR/mnist-$job_id.out"
