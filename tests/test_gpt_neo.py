@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import VENV_BIN
 from tests.helpers import (
     block_placed,
     rank_records,
@@ -18,6 +19,7 @@ from tests.helpers import (
     tagged_records,
     trainer_module,
 )
+from tests.test_jobs import check_summary, lumi, submit, virtual_env
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER = "python/gpt_neo_imdb.py"
@@ -118,24 +120,20 @@ def test_four_ranks_on_two_nodes_stop_on_usr1_to_the_step_and_resume(cluster, ti
     templates' seven: each spawned worker imports transformers again, seconds of CPU) and USR1
     to every process of the step (`scancel --signal=USR1 JOB.0`, what `--signal=B:USR1@300`
     and the template's forwarding do): all ranks stop at one step, Trainer saves it, exit 0,
-    no worker or resource tracker dies of the signal; the next run resumes there. With
-    --save-steps auto, the first save comes at the first vote (step 10) and the interval at the
-    next, for 2 nodes."""
+    no worker or resource tracker dies of the signal; the next run, the profile template's,
+    resumes there with rank 3 under the profiler. With --save-steps auto, the first save comes
+    at the first vote (step 10) and the interval at the next, for 2 nodes."""
     model, data = tiny
     out, logs = tmp_path / "out", tmp_path / "logs"
-
-    def command(max_steps: int, workers: int) -> list[str]:
-        return ["-N2", "-n4", "--cpu-bind=none",
-                *in_container("python", "-u", TRAINER, "--model-name", "tiny",
-                              "--output-path", str(out), "--logging-path", str(logs),
-                              "--pretrained-model", str(model), "--dataset", str(data),
-                              "--max-steps", str(max_steps), *TINY_ARGS,
-                              "--num-workers", str(workers))]
 
     # run.sh gives each of a node's two ranks one of its two CPUs (--cpu-bind=none).
     env = {"HF_HUB_OFFLINE": "1"}
     first = cluster.srun_signalled(
-        *command(100000, workers=1), env=env,
+        "-N2", "-n4", "--cpu-bind=none",
+        *in_container("python", "-u", TRAINER, "--model-name", "tiny", "--output-path", str(out),
+                      "--logging-path", str(logs), "--pretrained-model", str(model),
+                      "--dataset", str(data), "--max-steps", "100000", *TINY_ARGS,
+                      "--num-workers", "1"), env=env,
         ready=(out / "tiny" / "checkpoint-10" / "trainer_state.json").exists)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     for damage in SIGNAL_DAMAGE:
@@ -161,18 +159,32 @@ def test_four_ranks_on_two_nodes_stop_on_usr1_to_the_step_and_resume(cluster, ti
     assert len(auto) == 1 and int(auto[0][0]) >= 1, first.stdout[-3000:]
     assert run1["checkpoints_saved"] >= 2 and run1["checkpoint_stall_s"] > 0, run1
 
-    # Same command with more steps: picks up the stop's checkpoint by itself (a requeued job).
-    # Without workers: each spawned one imports transformers again, and their part is done.
-    second = cluster.srun(*command(stopped_at + 10, workers=0), env=env, timeout=300)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    run2 = summary(second.stdout)
-    assert (run2["start_step"], run2["steps"]) == (stopped_at, stopped_at + 10)
+    # The requeued job: jobs/lumi/gpt-neo-profile.sbatch (gpt-neo.sbatch, which it sources,
+    # under run-profile.sh) with more steps picks up the stop's checkpoint by itself. Without
+    # workers: each spawned one imports transformers again, and their part is done.
+    profiles, steps = tmp_path / "profiles", stopped_at + 10
+    job = submit(cluster, lumi("gpt-neo-profile.sbatch"), tmp_path, 2, *TINY_ARGS,
+                 env=virtual_env(tmp_path, MODEL_NAME="tiny", PRETRAINED_MODEL=str(model),
+                                 DATASET=str(data), OUTPUT_DIR=str(out), LOGGING_DIR=str(logs),
+                                 NUM_WORKERS="0", MAX_STEPS=str(steps), PROFILE_RANKS="3",
+                                 PROFILE_DIR=str(profiles), **env))
+    run2 = check_summary(job.output, "gpt_neo_imdb", 4, steps=steps)
+    assert (run2["start_step"], run2["steps"]) == (stopped_at, steps)
     assert run2["stopped_early"] is False and run2["perplexity"] > 1
     assert run2["tokens_per_s"] > 0
     # The weights came back too, not just the step counter: it starts where run 1 ended.
     assert run2["loss_first"] < run1["loss_first"] - 0.5, (run1, run2)
-    digests = {r["param_digest"] for r in rank_records(second.stdout)}
+    digests = {r["param_digest"] for r in rank_records(job.output)}
     assert len(digests) == 1 and digests != {ranks[0]["param_digest"]}
+    # The generic site's profiler is py-spy: one flame graph, rank 3's, and none of the others.
+    assert sorted(p.name for p in profiles.glob("rank*.svg")) == ["rank3.svg"]
+    assert (profiles / "rank3.svg").read_text().lstrip().startswith("<?xml")
+    # Rank 3 said where it goes, and the report says what opens it.
+    assert f"xscale: rank 3: the profiler writes its files under {profiles} " in job.output
+    listing = subprocess.run([str(VENV_BIN / "xscale"), "report", "--profile", str(profiles)],
+                             capture_output=True, text=True, timeout=60)
+    assert f"{profiles / 'rank3.svg'}: a py-spy flame graph; open it with a web browser" \
+        in listing.stdout, listing.stdout + listing.stderr
 
 
 def test_newest_checkpoint_passes_over_a_save_that_was_cut_off(tmp_path: Path):

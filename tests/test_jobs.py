@@ -618,22 +618,9 @@ def test_lumi_gpt_neo_on_one_node(cluster, tmp_path, gpt_data):
     check_summary(job.output, "gpt_neo_imdb", 2)
 
 
-def test_lumi_gpt_neo_profiles_exactly_the_chosen_rank(cluster, tmp_path, gpt_data):
-    """gpt-neo-profile.sbatch runs gpt-neo.sbatch (it sources it) with run-profile.sh, which
-    runs the other ranks as run.sh does: this is gpt-neo.sbatch's two-node run too."""
-    profiles = tmp_path / "profiles"
-    job = submit(cluster, lumi("gpt-neo-profile.sbatch"), tmp_path, 2, *GPT_TINY,
-                 env=gpt_env(tmp_path, gpt_data, PROFILE_RANKS="3", PROFILE_DIR=str(profiles)))
-    check_summary(job.output, "gpt_neo_imdb", 4)
-    # The generic site's profiler is py-spy: one flame graph, rank 3's, and none of the others.
-    assert sorted(p.name for p in profiles.glob("rank*.svg")) == ["rank3.svg"]
-    assert (profiles / "rank3.svg").read_text().lstrip().startswith("<?xml")
-    # Rank 3 said where it goes, and the report says what opens it.
-    assert f"xscale: rank 3: the profiler writes its files under {profiles} " in job.output
-    listing = subprocess.run([str(VENV_BIN / "xscale"), "report", "--profile", str(profiles)],
-                             capture_output=True, text=True, timeout=60)
-    assert f"{profiles / 'rank3.svg'}: a py-spy flame graph; open it with a web browser" \
-        in listing.stdout, listing.stdout + listing.stderr
+# jobs/lumi/gpt-neo-profile.sbatch (and gpt-neo.sbatch, which it sources) runs in
+# tests/test_gpt_neo.py, where it resumes the run stopped by USR1 with rank 3 under the profiler
+# (test_four_ranks_on_two_nodes_stop_on_usr1_to_the_step_and_resume).
 
 
 # jobs/lumi/imagenet-deepspeed.sbatch runs in tests/test_trainers_cv.py, where it resumes a
