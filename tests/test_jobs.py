@@ -580,17 +580,9 @@ def test_smoke_gpu_check_compares_torch_with_slurms_gpus(torch_gpus, visible, gi
     assert smoke_checks.gpus_problem(torch_gpus, devices, given) == problem
 
 
-def test_lumi_mnist_runs(cluster, tmp_path, mnist_data):
-    job = submit(cluster, lumi("mnist.sbatch"), tmp_path, 2,
-                 env=virtual_env(tmp_path, DATA=str(mnist_data), BATCH_SIZE="16"))
-    record = check_summary(job.output, "mnist_ddp", 4)
-    check_startup_phases(record["startup"], rank_records(job.output))
-    # CHECKPOINT_EVERY=auto, as shipped: a timed save at the first log interval, then Young's
-    # interval for 2 nodes (docs/CHECKPOINTS.md), said once.
-    auto = re.findall(r"xscale: --checkpoint-every auto: every (\d+) steps .* on 2 node\(s\)",
-                      job.output)
-    assert len(auto) == 1 and int(auto[0]) >= 1, job.output[-3000:]
-    assert record["checkpoints_saved"] >= 1 and record["checkpoint_stall_s"] > 0, record
+# jobs/lumi/mnist.sbatch runs in tests/test_trainers_cv.py, where it resumes an MNIST run stopped
+# by USR1 (test_mnist_on_two_nodes_stops_on_usr1_to_the_step_and_resumes), and in
+# tests/test_failures.py.
 
 
 def check_startup_phases(phases: dict, ranks: list[dict]) -> None:

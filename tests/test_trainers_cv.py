@@ -4,6 +4,7 @@ stop locally, and 4 ranks over the two virtual nodes through srun, the shim and 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ from tests.helpers import (
     wait_for,
     whole_summary_lines,
 )
-from tests.test_jobs import check_summary, lumi, submit, virtual_env
+from tests.test_jobs import check_startup_phases, check_summary, lumi, submit, virtual_env
 
 REPO = Path(__file__).resolve().parent.parent
 MNIST = "python/mnist_ddp.py"
@@ -365,10 +366,28 @@ def test_mnist_on_two_nodes_stops_on_usr1_to_the_step_and_resumes(cluster, mnist
     assert first["loss_last"] < 0.5 * first["loss_first"]
     assert "accuracy" not in first  # after a stop the time is for the checkpoint only
     assert Path(first["checkpoint"]) == out / f"ckpt-{stopped_at:06d}.pt"
-    second = check_run(srun(cluster, *args, "--max-steps", str(stopped_at + 4)), "mnist_ddp",
-                       stopped_at + 4, stopped_at)
+    # The requeued job: jobs/lumi/mnist.sbatch as shipped (CHECKPOINT_EVERY=auto) picks up the
+    # stop's checkpoint by itself, learns on, and evaluates.
+    steps = stopped_at + 4
+    job = submit(cluster, lumi("mnist.sbatch"), tmp_path, 2, "--lr", "0.002", "--epochs", "1000",
+                 "--log-every", "4", "--workers", "2",
+                 env=virtual_env(tmp_path, DATA=str(mnist_dir), OUTPUT_DIR=str(out),
+                                 BATCH_SIZE="32", MAX_STEPS=str(steps)))
+    second = check_summary(job.output, "mnist_ddp", 4, steps=steps)
+    ranks = rank_records(job.output)
+    check_startup_phases(second["startup"], ranks)
+    assert second["start_step"] == stopped_at
+    block_placed(ranks)  # ranks 0-1 on one node, 2-3 on another
+    assert {r["steps"] for r in ranks} == {steps}
+    assert len({r["param_digest"] for r in ranks}) == 1, ranks  # replicas are identical
     assert second["loss_first"] < first["loss_first"]  # it went on from the trained weights
     assert second["accuracy"] > 0.5 and second["test_samples"] == 512
+    # A timed save at the first log interval, then Young's interval for 2 nodes
+    # (docs/CHECKPOINTS.md), said once.
+    auto = re.findall(r"xscale: --checkpoint-every auto: every (\d+) steps .* on 2 node\(s\)",
+                      job.output)
+    assert len(auto) == 1 and int(auto[0]) >= 1, job.output[-3000:]
+    assert second["checkpoints_saved"] >= 1 and second["checkpoint_stall_s"] > 0, second
 
 
 def srun_one_rank_per_node(cluster, *command: str, env: dict[str, str]) -> dict:
