@@ -271,6 +271,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         os.nice(max(0, HOST_ONLY_NICENESS - os.nice(0)))
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model dir, dataset dir) of the tiny offline GPT-neo and IMDB built in code, once per
+    pytest worker: every Hugging Face test reads the same pair."""
+    from tests.fixtures.tiny_gpt_neo import build
+
+    return build(tmp_path_factory.mktemp("tiny_gpt_neo"))
+
+
 @pytest.fixture
 def stop_handlers():
     """Stop handlers installed by the test are removed again, and the stop flag cleared."""

@@ -32,14 +32,6 @@ TINY_ARGS = ["--num-workers", "0", "--batch-size", "8", "--max-length", "64",
              "--eval-steps", "1000", "--eval-batch-size", "32", "--sample-reviews", "0"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(model dir, dataset dir) of the tiny offline GPT-neo and IMDB built in code."""
-    from tests.fixtures.tiny_gpt_neo import build
-
-    return build(tmp_path_factory.mktemp("tiny_gpt_neo"))
-
-
 def test_seed_command_line_parses_with_the_workshop_defaults():
     gpt_neo_imdb = trainer_module("gpt_neo_imdb")
     args = gpt_neo_imdb.parse_args(SEED_ARGS)

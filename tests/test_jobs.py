@@ -465,15 +465,6 @@ def mnist_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpt_data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gpt")
-    subprocess.run([sys.executable, "tests/fixtures/tiny_gpt_neo.py", str(out)], cwd=REPO,
-                   check=True, capture_output=True, timeout=300,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return out
-
-
-@pytest.fixture(scope="module")
 def imagenet_data(tmp_path_factory) -> tuple[Path, Path]:
     """(ImageFolder named like the LUMI workshop's data-resnet-small, a tarball of it)."""
     root = tmp_path_factory.mktemp("imagenet")
@@ -493,9 +484,10 @@ IMAGENET_TINY = {"ARCH": "resnet18", "BATCH_SIZE": "8", "WORKERS": "0", "EPOCHS"
                  "IMAGE_SIZE": "32"}
 
 
-def gpt_env(tmp_path: Path, gpt_data: Path, **extra: str) -> dict[str, str]:
+def gpt_env(tmp_path: Path, tiny: tuple[Path, Path], **extra: str) -> dict[str, str]:
+    model, data = tiny
     return virtual_env(
-        tmp_path, PRETRAINED_MODEL=str(gpt_data / "model"), DATASET=str(gpt_data / "imdb"),
+        tmp_path, PRETRAINED_MODEL=str(model), DATASET=str(data),
         LOGGING_DIR=str(tmp_path / "logging"), NUM_WORKERS="0", BATCH_SIZE="4",
         HF_HUB_OFFLINE="1", **extra,
     )
@@ -604,9 +596,9 @@ def check_startup_phases(phases: dict, ranks: list[dict]) -> None:
         assert abs(parts - rank["startup"]["total"]) < 0.01, rank
 
 
-def test_lumi_gpt_neo_on_one_node(cluster, tmp_path, gpt_data):
+def test_lumi_gpt_neo_on_one_node(cluster, tmp_path, tiny):
     job = submit(cluster, lumi("gpt-neo-1node.sbatch"), tmp_path, 1, *GPT_TINY,
-                 env=gpt_env(tmp_path, gpt_data))
+                 env=gpt_env(tmp_path, tiny))
     check_summary(job.output, "gpt_neo_imdb", 2)
 
 

@@ -20,7 +20,6 @@ import pytest
 from tests.conftest import REPO, VENV_BIN
 from tests.helpers import block_placed, tagged_records, wait_for
 from tests.test_failures import job_fields, job_nodes, past_step, trainer_pids
-from tests.test_gpt_neo import tiny  # noqa: F401 (a fixture: the tiny GPT-neo and its data)
 
 OWN_DDP = "tests/programs/own_ddp.py"
 WORKSHOP = "tests/programs/workshop_gpt_neo.py"
