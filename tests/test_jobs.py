@@ -424,23 +424,13 @@ def virtual_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def submit(cluster, path: Path, tmp_path: Path, nodes: int, *args: str,
            tasks_per_node: int = 2, env: dict[str, str] | None = None) -> Job:
     """Submit PATH with the virtual cluster's options, wait for it to end, expect COMPLETED."""
-    output = tmp_path / f"{path.stem}.out"
-    proc = subprocess.run(
-        ["sbatch", "--parsable", "-o", str(output), *VIRTUAL, f"--nodes={nodes}",
-         f"--ntasks-per-node={tasks_per_node}", str(path), *args],
-        cwd=REPO, env=tool_env(env), capture_output=True, text=True, timeout=60, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    job_id = proc.stdout.strip().split(";")[0]
-    try:
-        cluster.wait_state(job_id, ENDED, WAIT_S)
-    except AssertionError:
-        subprocess.run(["scancel", job_id], check=False, timeout=30)
-        raise
-    state, exit_code = cluster.job_state(job_id)
-    text = output.read_text() if output.exists() else ""
-    assert state == "COMPLETED", f"job {job_id}: {state} {exit_code}\n{text[-6000:]}"
-    return Job(job_id, state, exit_code, text)
+    job = cluster.sbatch(path, *args, env=env, output=tmp_path / f"{path.stem}.out",
+                         sbatch_options=(*VIRTUAL, f"--nodes={nodes}",
+                                         f"--ntasks-per-node={tasks_per_node}"),
+                         timeout=WAIT_S)
+    assert job.state == "COMPLETED", \
+        f"job {job.job_id}: {job.state} {job.exit_code}\n{job.output[-6000:]}"
+    return job
 
 
 def check_summary(output: str, trainer: str, world_size: int, steps: int = MAX_STEPS) -> dict:
