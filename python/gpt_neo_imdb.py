@@ -15,6 +15,7 @@ cache (HF_HOME), which a login node fills beforehand.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import threading
@@ -32,6 +33,8 @@ import tqdm  # noqa: E402
 import transformers  # noqa: E402
 import xscale  # noqa: E402
 from transformers import (  # noqa: E402
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
@@ -46,6 +49,8 @@ DEFAULT_MODEL = "EleutherAI/gpt-neo-1.3B"
 DEFAULT_DATASET = "imdb"
 DATA_FILE_TYPES = {".txt": "text", ".csv": "csv", ".json": "json", ".jsonl": "json",
                    ".parquet": "parquet"}
+# attn_implementation values of Hugging Face's models, and auto (attention_implementation)
+ATTENTION = ("auto", "eager", "sdpa", "flash_attention_2")
 PROMPT = "The movie 'How to run ML on LUMI - A documentation' was great because"
 
 
@@ -103,6 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="validation loss every N steps (default %(default)s)")
     parser.add_argument("--logging-steps", type=int, default=50,
                         help="log the training loss every N steps (default %(default)s)")
+    parser.add_argument("--attention", choices=ATTENTION, default="auto",
+                        help="how the model computes attention: auto takes flash attention "
+                             "where the flash_attn package and a CUDA GPU are there and the "
+                             "model supports it, else Hugging Face's default for the model "
+                             "(SDPA where it has it, else eager) (default %(default)s)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (Trainer's torch_compile)")
     parser.add_argument("--sample-reviews", type=int, default=4,
                         help="reviews rank 0 generates from the fine-tuned model at the end "
                              "(default %(default)s)")
@@ -225,8 +237,33 @@ def training_arguments(args: argparse.Namespace, output_dir: str) -> TrainingArg
         bf16=on_gpu and torch.get_device_module(
             torch.accelerator.current_accelerator()).is_bf16_supported(),
         ddp_find_unused_parameters=False,  # every GPT-neo weight gets a gradient each step
+        torch_compile=args.compile,
         **ddp,
     )
+
+
+def attention_implementation(choice: str, model_class: type) -> str | None:
+    """The attn_implementation to load the model with: CHOICE, or for auto flash attention
+    where it can run (None: Hugging Face's own default for the model)."""
+    if choice != "auto":
+        return choice
+    can_flash = (torch.cuda.is_available() and torch.version.cuda is not None
+                 and importlib.util.find_spec("flash_attn") is not None)
+    return "flash_attention_2" if can_flash and model_class._supports_flash_attn else None
+
+
+def load_model(path: str, attention: str) -> torch.nn.Module:
+    """The model with the attention asked for; one that it does not support is a UserError."""
+    config = AutoConfig.from_pretrained(path)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    implementation = attention_implementation(attention, model_class)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation=implementation)
+    except (ValueError, ImportError) as error:  # how transformers refuses an implementation
+        if implementation is None:
+            raise
+        reason = str(error).strip().splitlines()[0]
+        raise UserError(f"--attention {attention}: {reason}") from None
 
 
 def sample_reviews(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, count: int) -> None:
@@ -253,7 +290,7 @@ def train(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.pad_token = tokenizer.eos_token  # GPT-neo has no pad token
-    model = AutoModelForCausalLM.from_pretrained(model_path)
+    model = load_model(model_path, args.attention)
     model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
     train_set, validation_set, test_set = tokenize(splits, tokenizer, args.max_length,
                                                    args.num_workers)
@@ -295,7 +332,8 @@ def train(args: argparse.Namespace) -> int:
             print(f"Perplexity on test: {results['test_perplexity']:.2f}")
             if args.sample_reviews:
                 sample_reviews(trainer.model, tokenizer, args.sample_reviews)
-    trainer.report(**results)
+    trainer.report(**results, attention=model.config._attn_implementation,
+                   compiled=args.compile)
     return 0
 
 

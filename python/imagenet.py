@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="autocast dtype (fp16 adds loss scaling)")
     parser.add_argument("--channels-last", action="store_true",
                         help="NHWC memory format (faster convolutions on recent GPUs)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (fused kernels; the first steps compile)")
     parser.add_argument("--grad-accum-steps", type=int, default=1, metavar="N",
                         help="micro-batches per optimizer step (the batch per step is N times "
                              "--batch-size)")
@@ -57,6 +59,8 @@ def train(args: argparse.Namespace, ctx: xscale.Context) -> int:
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = vision.build_model(args.arch, classes, args.channels_last).to(ctx.device)
+    if args.compile:
+        model.compile()  # in place: DDP wraps it and its checkpoints keep their keys
     if ctx.distributed:
         model = DistributedDataParallel(
             model, device_ids=None if ctx.device.type == "cpu" else [ctx.device.index])
@@ -105,7 +109,7 @@ def train(args: argparse.Namespace, ctx: xscale.Context) -> int:
         results = vision.evaluate_classifier(model, val_loader, ctx.device, amp())
     loop.report(accuracy=results.get("accuracy"), val_loss=results.get("loss"),
                 val_samples=results.get("samples"), epoch=loop.epoch, arch=args.arch,
-                image_size=args.image_size, amp=args.amp)
+                image_size=args.image_size, amp=args.amp, compiled=args.compile)
     return 0
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from xscale.shared import taglines
 
 
@@ -61,7 +62,8 @@ SUMMARY_TYPES = {
     "train_seconds": float, "stopped_early": bool, "signal": (str, None),
     "checkpoint": (str, None), "checkpoint_stall_s": float, "checkpoints_saved": int,
     "startup": dict, "straggler": (dict, None), "step_time": (dict, None), "bound": (str, None),
-    "step_time_ranks": (dict, None), "summary_file": str,
+    "tflops": (float, None), "mfu": (float, None), "step_time_ranks": (dict, None),
+    "flops": (dict, None), "summary_file": str,
 }
 
 
@@ -113,6 +115,23 @@ def check_step_time(record: dict) -> None:
     assert (shares["communication"] is None) == (
         record["world_size"] > 1 and record["trainer"] == "imagenet_deepspeed"), record
     assert record["step_time_ranks"]["rank"] in range(record["world_size"])
+    check_utilisation(record)
+
+
+def check_utilisation(record: dict) -> None:
+    """Every trainer counts its first step's model FLOPs (xscale.observe.flops): the achieved
+    TFLOP/s are those FLOPs over the measured step, and the MFU their share of the peak, which
+    the CPU has only where XSCALE_PEAK_TFLOPS gives it."""
+    flops = record["flops"]
+    assert flops["per_step"] > 0 and flops["kernels"] > 0, flops
+    assert flops["precision"] in ("bf16", "fp16", "fp32"), flops
+    assert record["tflops"] == pytest.approx(
+        flops["per_step"] / record["step_time"]["seconds"] / 1e12, rel=2e-3), record
+    if flops["peak_tflops"] is None:
+        assert record["mfu"] is None and "XSCALE_PEAK_TFLOPS" in flops["peak_source"], flops
+    else:
+        assert record["mfu"] == pytest.approx(record["tflops"] / flops["peak_tflops"],
+                                              rel=1e-3, abs=1e-4), record
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str,

@@ -70,6 +70,9 @@ def error_runs(tiny, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]
         "dataset folder empty": ["--pretrained-model", str(model), "--dataset", str(tmp)],
         "model folder missing": ["--pretrained-model", str(tmp / "nope"), "--dataset", str(data)],
         "xccl on a cpu": ["--pretrained-model", str(model), "--dataset", str(data)],
+        # GPT-neo has eager and flash attention in transformers 4.x, no SDPA.
+        "attention it lacks": ["--pretrained-model", str(model), "--dataset", str(data),
+                               "--attention", "sdpa"],
     }
     backend = {"xccl on a cpu": {"XSCALE_BACKEND": "xccl"}}
     runs = run_forked([([TRAINER, *args], {**env, **backend.get(name, {})})
@@ -95,6 +98,21 @@ def test_missing_model_directory_is_one_error_line(error_runs):
 
 def test_a_backend_the_device_cannot_use_is_one_error_line(error_runs):
     assert_one_error_line(error_runs["xccl on a cpu"], "backend xccl needs an Intel GPU (XPU)")
+
+
+def test_an_attention_the_model_lacks_is_one_error_line(error_runs):
+    assert_one_error_line(error_runs["attention it lacks"], "--attention sdpa: ")
+
+
+def test_auto_attention_is_flash_only_where_it_can_run_and_compile_is_an_option():
+    gpt_neo_imdb = trainer_module("gpt_neo_imdb")
+    neo = gpt_neo_imdb.MODEL_FOR_CAUSAL_LM_MAPPING[gpt_neo_imdb.AutoConfig.for_model("gpt_neo")
+                                                   .__class__]
+    assert gpt_neo_imdb.attention_implementation("eager", neo) == "eager"
+    # No CUDA GPU and no flash_attn package here: Hugging Face's own default for the model.
+    assert gpt_neo_imdb.attention_implementation("auto", neo) is None
+    args = gpt_neo_imdb.parse_args(["--compile", "--output-dir", "x"])
+    assert args.compile and args.attention == "auto"
 
 
 def in_container(*command: str) -> list[str]:

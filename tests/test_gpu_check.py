@@ -195,33 +195,6 @@ def test_the_parameter_count_is_the_fixture_models(shape: str):
     assert figures.gpt_neo_shape(config, seq_len=64).params == counted
 
 
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H100 80GB HBM3", 989.5), ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H100 NVL", 835.5),
-    ("NVIDIA H200", 989.5), ("NVIDIA H200 NVL", 835.5), ("NVIDIA A100-SXM4-80GB", 312.0),
-    ("AMD Instinct MI250X", 191.5), ("AMD Instinct MI250X / MI250", 191.5),
-    ("AMD Instinct MI300X", 1307.4), ("Intel(R) Data Center GPU Max 1550", 419.4),
-])
-def test_the_published_peak_of_each_device_name(name: str, tflops: float):
-    assert figures.peak_for(name, {}).tflops == tflops
-
-
-def test_gh200_is_not_taken_for_an_h200():
-    assert "GH200" in figures.peak_for("NVIDIA GH200 480GB", {}).source
-
-
-def test_an_unknown_device_has_no_peak_and_says_how_to_give_one():
-    peak = figures.peak_for("NVIDIA GeForce RTX 4090", {})
-    assert peak.tflops is None and "XSCALE_PEAK_TFLOPS" in peak.source
-
-
-def test_xscale_peak_tflops_wins_and_a_bad_value_is_refused():
-    peak = figures.peak_for("AMD Instinct MI250X", {"XSCALE_PEAK_TFLOPS": " 150 "})
-    assert peak.tflops == 150.0 and peak.source == "XSCALE_PEAK_TFLOPS=150"
-    for bad in ("0", "-3", "abc", "inf", "nan"):
-        with pytest.raises(ValueError, match="XSCALE_PEAK_TFLOPS"):
-            figures.peak_for("AMD Instinct MI250X", {"XSCALE_PEAK_TFLOPS": bad})
-
-
 # As pytorch/examples' imagenet/main.py prints them (ProgressMeter.display, AverageMeter's
 # '{name} {val:6.3f} ({avg:6.3f})'), --print-freq 1, 10009 batches of 128 images an epoch.
 EXAMPLES_LOG = """Using device: cuda

@@ -76,7 +76,8 @@ def common_fields(**changes) -> dict:
                                                               "factor": 1.04},
         "step_time": {"seconds": 0.02601, "data": 0.01, "compute": 0.8, "communication": 0.15,
                       "checkpoint": 0.02, "other": 0.02},
-        "bound": "compute", "step_time_ranks": {"rank": 1, "spread": {}},
+        "bound": "compute", "tflops": 0.02, "mfu": None,
+        "step_time_ranks": {"rank": 1, "spread": {}}, "flops": {"per_step": 10**9},
         "summary_file": None,
     }
     return {**fields, **changes}
@@ -127,6 +128,7 @@ def largest_realistic_summary(tmp_path: Path) -> dict:
         **step_time_fields([(rank, steptime.Breakdown(0.123456789, 0.0123456, 0.0987654, None,
                                                       0.00123456, 0.0109876 + rank / 1e9))
                             for rank in range(23824)]),
+        tflops=0.0001234, mfu=0.1234,  # their widest: four digits of a figure far below one
         summary_file=runlog.summary_path(output))
     own = {"accuracy": 0.761235, "val_loss": 0.987654, "val_samples": 50000,
            "epoch": 89, "arch": "efficientnet_v2_l", "image_size": 224, "zero_stage": 3,

@@ -174,13 +174,15 @@ def user_error_cases(mnist: Path, folder: Path, tmp: Path) -> list[tuple[list[st
         # The GPU config on a CPU: DeepSpeed's CPU accelerator has no fp16 (xscale.ds.prepare).
         ([DEEPSPEED, "--deepspeed_config", "python/configs/ds_fp16_z1.json", str(folder), *out],
          {}, "imagenet_deepspeed.py: error: the DeepSpeed config's fp16.enabled asks for fp16"),
+        ([IMAGENET, str(folder), *out], {"XSCALE_PEAK_TFLOPS": "0"},
+         "imagenet.py: error: XSCALE_PEAK_TFLOPS='0' is not a positive number of TFLOPS"),
     ]
 
 
 CASE_IDS = ["mnist-no-dir", "mnist-no-idx", "mnist-bad-rank", "mnist-gpu-without-one",
             "imagenet-xccl-without-xpu", "ds-nccl-without-gpu", "imagenet-no-data",
             "imagenet-no-dir", "imagenet-no-train", "imagenet-no-tar", "imagenet-rank-conflict",
-            "ds-no-config", "ds-bad-config", "ds-fp16-on-cpu"]
+            "ds-no-config", "ds-bad-config", "ds-fp16-on-cpu", "imagenet-bad-peak"]
 
 
 @pytest.fixture(scope="module")

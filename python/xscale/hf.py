@@ -302,12 +302,14 @@ class _TrainCall(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.tally.clock.waited_for_data(time.perf_counter() - self._busy_until)
+        self.tally.flops.begin()  # counts the first step only
 
     def on_step_end(self, args, state, control, **kwargs):
         tokens = state.num_input_tokens_seen - self._tokens_seen
         self._tokens_seen = state.num_input_tokens_seen
         samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
         self.throughput.step(samples, tokens / args.world_size)
+        self.tally.flops.end()
         self.tally.clock.step()
         if self.end_step == self.start_step:  # this call's first step
             self.tally.first_step(state.global_step)
@@ -329,6 +331,7 @@ class _TrainCall(TrainerCallback):
         self._busy_until = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.tally.flops.cancel()  # a step that never ended leaves no counting behind
         self.throughput.stop()
         self.end_step = state.global_step
 

@@ -47,7 +47,17 @@ from xscale import data, lifecycle
 from xscale.checkpoints import cadence, contents, engine, savers
 from xscale.dist import DistContext, init_distributed
 from xscale.lifecycle import UserError
-from xscale.observe import flight, profile_window, progress, runlog, startup, steptime, stragglers
+from xscale.observe import (
+    flight,
+    flops,
+    peaks,
+    profile_window,
+    progress,
+    runlog,
+    startup,
+    steptime,
+    stragglers,
+)
 from xscale.observe.throughput import Throughput
 from xscale.recovery import ddp as ddp_recovery
 from xscale.recovery import live
@@ -187,7 +197,9 @@ class RunTally:
     def __init__(self, ctx: DistContext, warmup_steps: int = 1) -> None:
         self.ctx = ctx
         self.clock = steptime.StepClock(warmup_steps, ctx.world_size, ctx.device)
+        self.flops = flops.FlopWindow()  # the first step's FLOPs, for the MFU
         self.node_mtbf_h = cadence.node_mtbf_hours()  # a bad setting stops the run first
+        settings.value(peaks.PEAK_VARIABLE)  # and so does a bad peak, read at the end
         self.progress = progress.Progress(ctx.is_main)
         self.stall_s, self.saves, self.last_stall_s = 0.0, 0, 0.0
         self._first: tuple[int, float] | None = None  # (step, when): steps after it are timed
@@ -402,6 +414,8 @@ class Loop:
             self._before_batch()
             if self._moved:
                 continue  # recovered in the broadcast: this batch may not be the step's now
+            if self._micro == 0:
+                self.tally.flops.begin()  # counts the first step only
             yield epoch, batch
             if self.stopped:
                 return
@@ -437,6 +451,7 @@ class Loop:
             return
         self._micro = 0
         self.step += 1
+        self.tally.flops.end()
         self.stragglers.step()
         self.tally.clock.step()
         self.meter.step(samples * self.accumulation, tokens)
@@ -511,6 +526,7 @@ class Loop:
     def _recover(self) -> None:
         """Leave the broken group and train on in the next, the lost node's ranks replaced,
         every rank from the source rank's position (module xscale.recovery)."""
+        self.tally.flops.cancel()  # a step left half-done: count the next whole one
         recovered = self.live.recover(self._position())
         self._take_position(recovered.position)
         self.stragglers.restart(gather_to_rank0(contract.node_name()))  # a node changed
@@ -562,6 +578,7 @@ class Loop:
     def finish(self) -> None:
         """Stop the clocks, take the last vote if the last step had none, save the last
         checkpoint, and say so on rank 0 after a stop. Every rank calls it."""
+        self.tally.flops.cancel()  # a step that never ended leaves no counting behind
         self.meter.stop()
         if self.live is not None:
             self.live.close()  # a failure from here on ends the launch as before
@@ -615,8 +632,9 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
                                    for rank, node, phases, _ in every_rank)
     print_startup(started_up, len(every_rank))
     step_time = steptime.summarise([(rank, breakdown) for rank, _, _, breakdown in every_rank])
+    used = flops.utilisation(tally.flops.count, step_time and step_time.seconds, ctx.device)
     if step_time is not None:
-        print(step_time.verdict(), flush=True)
+        print(step_time.verdict(used), flush=True)
     common = {
         "trainer": trainer, "world_size": ctx.world_size, "nodes": ctx.nnodes,
         "device": ctx.device.type, "backend": ctx.backend,
@@ -638,7 +656,10 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "straggler": None if stragglers is None else stragglers.summary(),
         "step_time": None if step_time is None else step_time.field(),
         "bound": None if step_time is None else step_time.bound,
+        "tflops": None if used is None else float(f"{used.tflops:.4g}"),
+        "mfu": None if used is None or used.mfu is None else round(used.mfu, 4),
         "step_time_ranks": None if step_time is None else step_time.ranks(),
+        "flops": None if used is None else used.field(),
         "summary_file": runlog.summary_path(output_dir),
     }
     own = {name: significant(value) if isinstance(value, float) else value

@@ -31,3 +31,5 @@ printf '\n== %s\n' checkpoint.py  # what a save holds training up, sync vs async
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/checkpoint.py"
 printf '\n== %s\n' steptime.py  # the step-time breakdown's cost per DDP step
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/steptime.py"
+printf '\n== %s\n' flop_count.py  # counting one step's FLOPs for the MFU, once per run
+"$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/flop_count.py"

@@ -1,6 +1,7 @@
-"""The gpu-check's arithmetic: model FLOPs utilisation (MFU), the devices' published peaks,
-pytorch/examples' imagenet throughput from its log, and ratios of medians. No torch: the unit
-tests check every figure by hand.
+"""The gpu-check's arithmetic: the model FLOPs utilisation (MFU) of GPT-neo's tokens/s against
+the devices' published peaks (the library's, xscale.observe.peaks), pytorch/examples' imagenet
+throughput from its log, and ratios of medians. No torch: the unit tests check every figure by
+hand.
 """
 
 from __future__ import annotations
@@ -11,67 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Dense (no sparsity) bf16 peaks in TFLOPS per device torch sees, from the vendors' data sheets.
-# Matched against torch's device name, first match wins (so "GH200" before "H200", "NVL" and
-# "PCIe" before the plain name). NVIDIA gives its Tensor Core figures "with sparsity": halved here.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float, str], ...] = (
-    # NVIDIA GH200 Grace Hopper Superchip data sheet: BF16 Tensor Core 1,979 TFLOPS (sparse).
-    ("GH200", 989.5, "NVIDIA GH200 data sheet, 1,979 TFLOPS bf16 with sparsity"),
-    # NVIDIA H200 data sheet (nvidia.com/en-us/data-center/h200): SXM 1,979, NVL 1,671 (sparse).
-    ("H200 NVL", 835.5, "NVIDIA H200 data sheet, NVL: 1,671 TFLOPS bf16 with sparsity"),
-    ("H200", 989.5, "NVIDIA H200 data sheet, SXM: 1,979 TFLOPS bf16 with sparsity"),
-    # NVIDIA H100 data sheet (nvidia.com/en-us/data-center/h100): SXM 1,979, NVL 1,671,
-    # PCIe 1,513 (sparse). torch names the SXM part "NVIDIA H100 80GB HBM3".
-    ("H100 NVL", 835.5, "NVIDIA H100 data sheet, NVL: 1,671 TFLOPS bf16 with sparsity"),
-    ("H100 PCIe", 756.5, "NVIDIA H100 data sheet, PCIe: 1,513 TFLOPS bf16 with sparsity"),
-    ("H100", 989.5, "NVIDIA H100 data sheet, SXM: 1,979 TFLOPS bf16 with sparsity"),
-    # NVIDIA A100 data sheet: BF16 Tensor Core 312 TFLOPS (624 with sparsity), SXM and PCIe.
-    ("A100", 312.0, "NVIDIA A100 data sheet, 312 TFLOPS bf16 dense"),
-    # AMD Instinct MI250X data sheet: 383.0 TFLOPS peak bf16 for the module; ROCm shows each of
-    # its two GCDs as a device (LUMI-G's 8 GPUs are 4 MI250X).
-    ("MI250X", 191.5, "AMD Instinct MI250X data sheet, 383.0 TFLOPS bf16 per module of 2 GCDs"),
-    # AMD Instinct MI300X and MI300A data sheets: 1,307.4 and 980.6 TFLOPS peak bf16 (dense).
-    ("MI300X", 1307.4, "AMD Instinct MI300X data sheet, 1,307.4 TFLOPS bf16 dense"),
-    ("MI300A", 980.6, "AMD Instinct MI300A data sheet, 980.6 TFLOPS bf16 dense"),
-    # Intel Data Center GPU Max 1550 (ark.intel.com, product 232873): 128 Xe cores in 2 stacks at
-    # up to 1.6 GHz, 8 matrix engines of 512 bf16 operations per clock each per Xe core: 839
-    # TFLOPS per GPU. Aurora shows each stack as a device (ZE_FLAT_DEVICE_HIERARCHY=FLAT).
-    ("Max 1550", 419.4, "Intel Max 1550 specification, 839 TFLOPS bf16 per GPU of 2 stacks"),
-)
-PEAK_VARIABLE = "XSCALE_PEAK_TFLOPS"
-
-
-@dataclass(frozen=True)
-class Peak:
-    """A device's peak in TFLOPS (None: unknown) and where the figure comes from."""
-
-    tflops: float | None
-    source: str
-
-
-def peak_override(environ: Mapping[str, str]) -> float | None:
-    """XSCALE_PEAK_TFLOPS, checked (ValueError: not a positive number); None when unset."""
-    text = environ.get(PEAK_VARIABLE, "").strip()
-    if not text:
-        return None
-    try:
-        tflops = float(text)
-    except ValueError:
-        tflops = 0.0
-    if not 0 < tflops < float("inf"):
-        raise ValueError(f"{PEAK_VARIABLE}='{text}' is not a positive number of TFLOPS")
-    return tflops
-
-
-def peak_for(device_name: str, environ: Mapping[str, str]) -> Peak:
-    """XSCALE_PEAK_TFLOPS when set, else the table's figure for the device's name."""
-    override = peak_override(environ)
-    if override is not None:
-        return Peak(override, f"{PEAK_VARIABLE}={environ[PEAK_VARIABLE].strip()}")
-    for pattern, tflops, source in PEAK_BF16_TFLOPS:
-        if pattern.lower() in device_name.lower():
-            return Peak(tflops, source)
-    return Peak(None, f"no published peak known for '{device_name}': set {PEAK_VARIABLE}")
+from xscale.observe.peaks import Peak
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ REPO = Path(__file__).resolve().parents[2]
 # The fixtures (tests/), as pytest's pythonpath has them; xscale is installed (`make setup`).
 sys.path[:0] = [str(REPO)]
 
+from xscale.observe import peaks  # noqa: E402
+from xscale.shared import settings  # noqa: E402
+
 from tests.gpu import figures  # noqa: E402
 from tests.gpu.verdict import (  # noqa: E402
     FAIL,
@@ -414,13 +417,13 @@ def one_gpu_env(node: Node) -> dict[str, str]:
     return child_env({name: current.split(",")[0] if current else "0"})
 
 
-def imagenet_rate(ctx: Context, round_: int) -> float | None:
+def imagenet_run(ctx: Context, round_: int) -> dict | None:
+    """The summary of one round of python/imagenet.py (None: it failed)."""
     outcome = ctx.runner.run(f"resnet50-xscale-r{round_}", [
         str(RUN_SH), sys.executable, "-u", str(REPO / "python/imagenet.py"), "--dummy",
         "-a", "resnet50", "-b", str(ctx.batch_size), "-j", "8", "--amp", "none", "--epochs", "1",
         "--max-steps", str(BENCH_STEPS), "-p", "10"], one_gpu_env(ctx.node))
-    summary = summary_of(outcome.output) if outcome.exit_code == 0 else None
-    return summary.get("samples_per_s") if summary else None
+    return summary_of(outcome.output) if outcome.exit_code == 0 else None
 
 
 def examples_rate(ctx: Context, round_: int) -> float | None:
@@ -435,19 +438,20 @@ def examples_rate(ctx: Context, round_: int) -> float | None:
                                          BENCH_STEPS - BENCH_WARMUP)
 
 
-def gpt_neo_rate(ctx: Context, round_: int) -> float | None:
+def gpt_neo_run(ctx: Context, round_: int, compiled: bool) -> dict | None:
+    """The summary of one round of gpt_neo_imdb.py, eager or compiled (None: it failed)."""
     model, data = ctx.fixtures.gpt_neo("125m")
-    out = ctx.out / "runs" / f"gpt-neo-125m-r{round_}"
-    outcome = ctx.runner.run(f"gpt-neo-125m-r{round_}", [
+    name = f"gpt-neo-125m{'-compiled' if compiled else ''}-r{round_}"
+    out = ctx.out / "runs" / name
+    outcome = ctx.runner.run(name, [
         str(RUN_SH), sys.executable, "-u", str(REPO / "python/gpt_neo_imdb.py"),
         "--pretrained-model", str(model), "--dataset", str(data), "--model-name", "bench",
         "--output-path", str(out), "--logging-path", str(out / "logs"), "--no-resume",
         "--max-steps", str(BENCH_STEPS), "--batch-size", str(GPT_BATCH), "--max-length",
         str(GPT_SEQ_LEN), "--num-workers", "2", "--logging-steps", "10", "--save-steps", "100000",
-        "--eval-steps", "100000", "--eval-batch-size", str(GPT_BATCH), "--sample-reviews", "0"],
-        one_gpu_env(ctx.node))
-    summary = summary_of(outcome.output) if outcome.exit_code == 0 else None
-    return summary.get("tokens_per_s") if summary else None
+        "--eval-steps", "100000", "--eval-batch-size", str(GPT_BATCH), "--sample-reviews", "0",
+        *(["--compile"] if compiled else [])], one_gpu_env(ctx.node))
+    return summary_of(outcome.output) if outcome.exit_code == 0 else None
 
 
 def gpt_neo_shape() -> figures.TransformerShape:
@@ -457,21 +461,32 @@ def gpt_neo_shape() -> figures.TransformerShape:
 
 
 def check_throughput(ctx: Context) -> list[Check]:
-    ours, theirs, tokens = [], [], []
-    for round_ in range(1, ctx.rounds + 1):  # A B C, A B C: a drift hits every side alike
-        ours.append(imagenet_rate(ctx, round_))
+    ours, theirs, eager, compiled = [], [], [], []
+    for round_ in range(1, ctx.rounds + 1):  # A B C D, A B C D: a drift hits every side alike
+        ours.append(imagenet_run(ctx, round_))
         if ctx.examples is not None:
             theirs.append(examples_rate(ctx, round_))
-        tokens.append(gpt_neo_rate(ctx, round_))
-    return [resnet_row(ctx, ours, theirs), gpt_neo_row(ctx, tokens)]
+        eager.append(gpt_neo_run(ctx, round_, compiled=False))
+        compiled.append(gpt_neo_run(ctx, round_, compiled=True))
+    return [resnet_row(ctx, ours, theirs), gpt_neo_row(ctx, eager, compiled=False),
+            gpt_neo_row(ctx, compiled, compiled=True)]
 
 
-def resnet_row(ctx: Context, ours: list[float | None], theirs: list[float | None]) -> Check:
+def median_of(summaries: list[dict | None], key: str) -> float | None:
+    """The median of KEY over the rounds' summaries that have it."""
+    return median([summary[key] for summary in summaries
+                   if summary and summary.get(key) is not None])
+
+
+def resnet_row(ctx: Context, ours: list[dict | None], theirs: list[float | None]) -> Check:
     name = "throughput resnet50"
-    mine = [rate for rate in ours if rate]
+    mine = [summary["samples_per_s"] for summary in ours
+            if summary and summary.get("samples_per_s")]
     other = [rate for rate in theirs if rate]
-    shown = {"batch": ctx.batch_size, "xscale_img_s": median(mine),
-             "examples_img_s": median(other), "ratio": figures.ratio_of_medians(mine, other)}
+    shown = {"batch": ctx.batch_size, "precision": "fp32", "compile": "off",
+             "xscale_img_s": median(mine), "examples_img_s": median(other),
+             "ratio": figures.ratio_of_medians(mine, other),
+             "verdict_mfu": median_of(ours, "mfu")}
     if len(mine) < len(ours):
         return Check(name, FAIL, "python/imagenet.py gave no throughput in a round (its log in "
                                  "logs/resnet50-xscale-r*.log)", shown)
@@ -486,18 +501,25 @@ def resnet_row(ctx: Context, ours: list[float | None], theirs: list[float | None
                              "interleaved rounds, fp32", shown)
 
 
-def gpt_neo_row(ctx: Context, tokens: list[float | None]) -> Check:
-    name = "throughput gpt-neo-125m"
-    rates = [rate for rate in tokens if rate]
+def gpt_neo_row(ctx: Context, summaries: list[dict | None], compiled: bool) -> Check:
+    """Tokens/s and two MFUs: the formula's (6N + attention, below) and the verdict's (the run's
+    own count of its first step, xscale.observe.flops), with what the run used."""
+    name = f"throughput gpt-neo-125m{' compiled' if compiled else ''}"
+    rates = [summary["tokens_per_s"] for summary in summaries
+             if summary and summary.get("tokens_per_s")]
     shape = gpt_neo_shape()
-    peak = figures.peak_for(ctx.node.name, os.environ)
+    peak = peaks.peak_for(ctx.node.name, "bf16")
     rate = median(rates)
-    shown = {"tokens_s": rate, "flops_per_token": figures.flops_per_token(shape),
-             "peak_tflops": peak.tflops,
-             "mfu": figures.mfu(rate, shape, peak) if rate else None}
-    if len(rates) < len(tokens):
-        return Check(name, FAIL, "gpt_neo_imdb.py gave no tokens/s in a round (its log in "
-                                 "logs/gpt-neo-125m-r*.log)", shown)
+    attention = {summary.get("attention") for summary in summaries if summary}
+    shown = {"attention": ",".join(sorted(map(str, attention))) or None,
+             "compile": "on" if compiled else "off", "precision": "bf16", "tokens_s": rate,
+             "flops_per_token": figures.flops_per_token(shape), "peak_tflops": peak.tflops,
+             "mfu": figures.mfu(rate, shape, peak) if rate else None,
+             "verdict_mfu": median_of(summaries, "mfu")}
+    if len(rates) < len(summaries):
+        logs = f"logs/gpt-neo-125m{'-compiled' if compiled else ''}-r*.log"
+        return Check(name, FAIL, f"gpt_neo_imdb.py gave no tokens/s in a round (its log in "
+                                 f"{logs})", shown)
     if peak.tflops is None:
         return Check(name, PASS, f"MFU unknown: {peak.source}", shown)
     return Check(name, PASS, f"bf16, {GPT_BATCH} x {GPT_SEQ_LEN} tokens per step; peak: "
@@ -579,8 +601,8 @@ def parse_args(argv: list[str], environ: Mapping[str, str]) -> argparse.Namespac
         raise UsageError(f"--examples '{args.examples}' has no imagenet/main.py (a checkout of "
                          "github.com/pytorch/examples)")
     try:
-        figures.peak_override(environ)
-    except ValueError as error:
+        settings.value(peaks.PEAK_VARIABLE, environ)
+    except settings.UserError as error:
         raise UsageError(str(error)) from None
     return args
 

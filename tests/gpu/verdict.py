@@ -72,7 +72,7 @@ def judge_training(name: str, output: str, exit_code: int, expected: Expected) -
         wrong.insert(0, f"exit status {exit_code}")
     figures = {key: summary.get(key) for key in ("device", "backend", "world_size", "loss_first",
                                                   "loss_last", "samples_per_s", "tokens_per_s",
-                                                  "seconds")}
+                                                  "seconds", "tflops", "mfu")}
     return Check(name, FAIL if wrong else PASS, "; ".join(wrong), figures)
 
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from xscale.observe.utilisation import Utilisation
+
 SHARES = ("data", "compute", "communication", "checkpoint", "other")
 BOUNDS = ("data", "compute", "communication", "checkpoint")
 ADVICE = {
     "data": "stage the data set to node-local storage (jobs/lib/stage) or raise the "
             "DataLoader's workers (--workers)",
-    "compute": "the devices are busy: profile one rank (runscripts/run-profile.sh) to see "
-               "which operators take the time",
+    "compute": "profile one rank (runscripts/run-profile.sh) to see which operators take "
+               "the time",
     "communication": "check the network with runscripts/doctor (the RCCL/NCCL network "
                      "plugin, the interfaces, the all-reduce bandwidth against the site's "
                      "floor: docs/DOCTOR.md)",
@@ -30,9 +32,11 @@ def bound_of(parts: Mapping[str, float | None]) -> str:
     return max(BOUNDS, key=lambda name: parts.get(name) or 0.0)
 
 
-def verdict(seconds: float, shares: Mapping[str, float | None], whence: str) -> str:
+def verdict(seconds: float, shares: Mapping[str, float | None], whence: str,
+            utilisation: Utilisation | None = None) -> str:
     """The line a person reads: the mean step, each share (None: not measured, left inside
-    compute), the bound and its advice; WHENCE says which rank's view it is."""
+    compute), the bound, the MFU where the step's FLOPs were counted, and the advice; WHENCE
+    says which rank's view it is."""
     parts = []
     for name, share in shares.items():
         if share is None:
@@ -40,6 +44,11 @@ def verdict(seconds: float, shares: Mapping[str, float | None], whence: str) -> 
         else:
             hidden = " (not hidden)" if name == "communication" else ""
             parts.append(f"{LABELS[name]} {share:.0%}{hidden}")
-    bound = bound_of(shares)
-    return (f"xscale: step time {seconds * 1000:.0f} ms: {', '.join(parts)}: {bound}-bound; "
-            f"{ADVICE[bound]} ({whence}; docs/STEPTIME.md)")
+    bound, advice = bound_of(shares), ADVICE[bound_of(shares)]
+    used = ""
+    if utilisation is not None:
+        used = f", {utilisation.clause()}"
+        if bound == "compute":
+            advice = utilisation.compute_advice(advice)
+    return (f"xscale: step time {seconds * 1000:.0f} ms: {', '.join(parts)}: {bound}-bound"
+            f"{used}; {advice} ({whence}; docs/STEPTIME.md)")

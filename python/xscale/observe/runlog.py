@@ -44,14 +44,15 @@ SUMMARY_FIELDS = (
     "samples_per_s", "samples_per_s_per_rank", "tokens_per_s",
     "loss_first", "loss_last", "seconds", "train_seconds",
     "stopped_early", "signal", "checkpoint", "checkpoint_stall_s", "checkpoints_saved",
-    "startup", "straggler", "step_time", "bound", "step_time_ranks", "summary_file",
+    "startup", "straggler", "step_time", "bound", "tflops", "mfu", "step_time_ranks", "flops",
+    "summary_file",
 )
 # The whole summary, written by rank 0 into the run's output directory before the line.
 SUMMARY_FILE = "xscale-summary.json"
 # Only in the file: each phase's median, slowest rank and its node, six times over, is 500 to
 # 700 bytes on a large job, and the step time's rank and each share's lowest and highest rank
 # 400; the line would not fit with them.
-FILE_ONLY = ("startup", "step_time_ranks")
+FILE_ONLY = ("startup", "step_time_ranks", "flops")
 # srun --label cuts a line's text after 1024 bytes (xscale.shared.taglines.SRUN_LABEL_CUT) and
 # prefixes it with the task's number, as wide as the job's largest ("123456: "). The line's JSON
 # stays within this many bytes, so that even counting its tag and that label it keeps 11 bytes to

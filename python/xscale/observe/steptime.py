@@ -40,6 +40,7 @@ from torch import nn
 
 from xscale.observe.bounds import SHARES, bound_of, verdict
 from xscale.observe.spans import Spans
+from xscale.observe.utilisation import Utilisation
 
 # DDP times one iteration in this many (its own default is 100); the clock reads it as often.
 SAMPLE_EVERY = 10
@@ -211,9 +212,9 @@ class StepTime:
         """The summary file's step_time_ranks field."""
         return {"rank": self.rank, "spread": self.spread}
 
-    def verdict(self) -> str:
-        """The line a person reads at the end of the run."""
-        return verdict(self.seconds, self.shares, f"rank {self.rank}")
+    def verdict(self, utilisation: Utilisation | None = None) -> str:
+        """The line a person reads at the end of the run, with the MFU where it was measured."""
+        return verdict(self.seconds, self.shares, f"rank {self.rank}", utilisation)
 
 
 def summarise(breakdowns: list[tuple[int, Breakdown | None]]) -> StepTime | None:

@@ -190,6 +190,9 @@ SETTINGS = (
             "1: torch.profiler records the profiling window (PROFILE_STEP_START, PROFILE_STEPS) "
             "into PROFILE_DIR/rankR and the run's end prints its summary (run-profile.sh's "
             "PROFILER=torch sets it on the profiled ranks; docs/STEPTIME.md)", TRAINERS),
+    Setting("XSCALE_PEAK_TFLOPS", number(above=0, unit="TFLOPS"), None,
+            "the device's peak, for the MFU in the verdict and the summary (docs/STEPTIME.md)",
+            TRAINERS, shown="the published figure for the device's name and precision"),
     Setting("XSCALE_STAGE_DIR", PATH, None,
             "node-local directory the image trainers unpack --stage-tar into", TRAINERS,
             shown="/tmp/USER-xscale-data"),
@@ -275,9 +278,6 @@ SETTINGS = (
     Setting("XSCALE_EXAMPLES_DIR", PATH, None,
             "a pytorch/examples checkout, for the ImageNet comparison row (--examples)",
             GPU_CHECK),
-    Setting("XSCALE_PEAK_TFLOPS", number(above=0, unit="TFLOPS"), None,
-            "the device's peak, for the MFU", GPU_CHECK,
-            shown="the published figure for the device's name"),
     # -- the test bed
     Setting("XSCALE_CLUSTER_STATE", PATH, "/run/xscale-cluster",
             "the virtual cluster's pid files and node /tmp mounts", TEST_BED),
