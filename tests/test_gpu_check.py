@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,8 +28,10 @@ from tests.gpu.gpu_check import (
     Runner,
     check_trainer,
     child_env,
+    gpt_neo_row,
     judge_doctor,
     judge_trace,
+    resnet_row,
 )
 from tests.gpu.verdict import (
     FAIL,
@@ -352,3 +355,22 @@ def test_a_bad_option_is_one_line_and_status_2(tmp_path: Path, args, env, says):
     assert proc.stdout == ""
     [line] = proc.stderr.splitlines()
     assert line.startswith("gpu-check: error: ") and says in line
+
+
+def test_the_throughput_rows_say_what_ran_and_put_the_verdicts_mfu_beside_the_formulas():
+    ctx = SimpleNamespace(node=SimpleNamespace(name="NVIDIA H200"), batch_size=128,
+                          examples=Path("examples"), rounds=2)
+    rounds = [{"tokens_per_s": 56_000.0, "mfu": 0.05, "attention": "eager"},
+              {"tokens_per_s": 58_000.0, "mfu": 0.052, "attention": "eager"}]
+    row = gpt_neo_row(ctx, rounds, compiled=True)
+    assert (row.name, row.status) == ("throughput gpt-neo-125m compiled", PASS)
+    assert {key: row.figures[key] for key in ("attention", "compile", "precision")} == {
+        "attention": "eager", "compile": "on", "precision": "bf16"}
+    assert row.figures["verdict_mfu"] == pytest.approx(0.051)
+    assert row.figures["mfu"] == pytest.approx(57_000 * 855_000_576 / 989.5e12)
+    failed = gpt_neo_row(ctx, [rounds[0], None], compiled=False)
+    assert failed.status == FAIL and "logs/gpt-neo-125m-r*.log" in failed.reason
+    resnet = resnet_row(ctx, [{"samples_per_s": 2_000.0, "mfu": 0.3}] * 2, [1_800.0] * 2)
+    assert resnet.status == PASS and resnet.figures["ratio"] == pytest.approx(2_000 / 1_800)
+    assert (resnet.figures["precision"], resnet.figures["verdict_mfu"]) == ("fp32", 0.3)
+
