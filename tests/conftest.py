@@ -239,11 +239,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that uses the cluster, so `make unit` can leave them out, and put them in
     one xdist group: they share four nodes and break them on purpose, so under `pytest -n 2
     --dist loadgroup` (make test) they run one after another in one worker, while the other
-    worker runs the host-only tests in the time the cluster tests wait for Slurm."""
+    worker runs the host-only tests in the time the cluster tests wait for Slurm.
+
+    The cluster tests come first: their one group is the suite's longest path, and xdist hands
+    out work in collection order, so it starts at once rather than after the host-only tests
+    whose files sort before the first cluster test (docs/TESTBED.md, "What a test costs")."""
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
             item.add_marker(pytest.mark.xdist_group("cluster"))
+    items.sort(key=lambda item: item.get_closest_marker("cluster") is None)  # stable
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -260,13 +265,55 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 HOST_ONLY_NICENESS = 10
+# Linux's scheduler with autogroups (kernel.sched_autogroup_enabled=1) shares the CPU between
+# sessions first and applies a process's nice only inside its own session (sched(7)). The ranks
+# of each virtual node run in a session of their own (slurmstepd's), pytest's workers in the one
+# they were started from: a niced host-only test there would still take a third of the cores
+# from two nodes' ranks. So the session's own nice goes to HOST_ONLY_NICENESS for the run, and
+# back after.
+AUTOGROUP = Path("/proc/self/autogroup")
+SESSION_NICE = pytest.StashKey[int | None]()  # the session's nice before the run
+
+
+def autogroup_nice() -> int | None:
+    """This session's autogroup nice ("/autogroup-42 nice 0"); None without autogroups."""
+    try:
+        return int(AUTOGROUP.read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def set_autogroup_nice(nice: int) -> None:
+    try:
+        AUTOGROUP.write_text(str(nice))
+    except OSError:  # autogroups off, or not ours to change: the per-process nice still holds
+        pass
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under xdist, the controller lowers the session's priority below the cluster's ranks for
+    the run (its workers and their children share the session): see AUTOGROUP."""
+    config = session.config
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        config.stash[SESSION_NICE] = autogroup_nice()
+        if config.stash[SESSION_NICE] is not None:
+            set_autogroup_nice(max(HOST_ONLY_NICENESS, config.stash[SESSION_NICE]))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    before = session.config.stash.get(SESSION_NICE, None)
+    if before is not None:
+        set_autogroup_nice(before)
+
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under xdist, a worker running a host-only test gives way to the cluster's ranks: they are
     pinned to cores (--cpu-bind), so a test process beside them at the same priority slows the
     ranks of one core and not the other, which is what a straggler looks like. The ranks are
-    slurmstepd's children, not this worker's, and keep their priority."""
+    slurmstepd's children, not this worker's, and keep their priority; the session's priority is
+    lowered too (pytest_sessionstart)."""
     if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("cluster") is None:
         os.nice(max(0, HOST_ONLY_NICENESS - os.nice(0)))
 
