@@ -168,9 +168,10 @@ def test_a_healthy_run_is_compute_bound_a_throttled_link_communication_bound_slo
     for name, record in records.items():
         check_step_time(record)
         assert record["bound"] == name, (name, record["step_time"])
-        assert re.search(rf": {name}-bound, [0-9.e+-]+ [GT]FLOP/s, MFU unknown \(XSCALE_PEAK_TFLOPS "
-                         rf"gives the peak\); {re.escape(bounds.ADVICE[name])} \(rank ",
-                         texts[name]), texts[name][-3000:]
+        assert re.search(rf": {name}-bound, [0-9.e+-]+ [GT]FLOP/s, MFU unknown "
+                         rf"\(XSCALE_PEAK_TFLOPS gives the peak\); "
+                         rf"{re.escape(bounds.ADVICE[name])} \(rank ", texts[name]), \
+            texts[name][-3000:]
     assert records["data"]["step_time_ranks"]["rank"] == 1  # nid002's view, not its peer's
     shares = {name: record["step_time"] for name, record in records.items()}
     for fault in ("communication", "data"):  # the fault's part grew from the healthy run's

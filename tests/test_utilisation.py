@@ -149,7 +149,8 @@ def test_a_low_mfu_names_each_cause_the_step_showed_and_its_remedy():
     low = used(4.9, precision="fp32", kernels=5000, step_seconds=0.05, attention="eager",
                optimizer="per-parameter")
     line = bounds.verdict(0.05, COMPUTE_BOUND, "rank 0", low)
-    assert (f"compute-bound, MFU 4.9% (4.9 TFLOP/s of 100 TFLOP/s fp32); under {LOW_MFU:.0%} of the "
+    assert ("compute-bound, MFU 4.9% (4.9 TFLOP/s of 100 TFLOP/s fp32); "
+            f"under {LOW_MFU:.0%} of the "
             "peak, likely for matmuls in fp32; attention as matmul + softmax; 5000 kernels a "
             "step, one per 10 us: the host's launches set the pace: try bf16 autocast "
             "(torch.autocast); SDPA or flash attention; torch.compile, larger micro-batches, "
@@ -161,8 +162,9 @@ def test_a_low_mfu_names_each_cause_the_step_showed_and_its_remedy():
 
 def test_a_low_mfu_without_a_known_cause_says_so_and_a_high_one_lists_none():
     line = bounds.verdict(0.1, COMPUTE_BOUND, "rank 0", used(5.0))
-    assert "MFU 5.0% (5 TFLOP/s of 100 TFLOP/s bf16); under 20% of the peak for none of the causes " \
-           "xscale looks for (fp32, eager attention, small kernels): profile one rank" in line
+    assert "MFU 5.0% (5 TFLOP/s of 100 TFLOP/s bf16); under 20% of the peak for none of the " \
+           "causes xscale looks for (fp32, eager attention, small kernels): profile one rank" \
+           in line
     assert used(45.0, precision="fp32", attention="eager").field()["causes"] == []
 
 
