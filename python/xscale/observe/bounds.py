@@ -44,7 +44,8 @@ def verdict(seconds: float, shares: Mapping[str, float | None], whence: str,
         else:
             hidden = " (not hidden)" if name == "communication" else ""
             parts.append(f"{LABELS[name]} {share:.0%}{hidden}")
-    bound, advice = bound_of(shares), ADVICE[bound_of(shares)]
+    bound = bound_of(shares)
+    advice = ADVICE[bound]
     used = ""
     if utilisation is not None:
         used = f", {utilisation.clause()}"

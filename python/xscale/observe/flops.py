@@ -127,11 +127,9 @@ class FlopWindow:
 def device_name(device: torch.device) -> str:
     """The name the peaks table is matched against ("NVIDIA H100 80GB HBM3", "AMD Instinct
     MI250X / MI250", "Intel(R) Data Center GPU Max 1550"); "cpu" on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "xpu":
-        return torch.xpu.get_device_name(device)
-    return device.type
+    if device.type == "cpu":
+        return device.type
+    return torch.get_device_module(device).get_device_name(device)
 
 
 def utilisation(count: StepCount | None, step_seconds: float | None,

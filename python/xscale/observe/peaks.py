@@ -12,14 +12,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from xscale.shared import settings
 
 PEAK_VARIABLE = "XSCALE_PEAK_TFLOPS"
 PRECISIONS = ("bf16", "fp16", "fp32")
 
-# (name pattern, 16-bit TFLOPS, fp32 TFLOPS, where the figures come from)
-PEAKS: tuple[tuple[str, float, float, str], ...] = (
+
+class DevicePeaks(NamedTuple):
+    """A device's row: the part of torch's name that finds it, its bf16/fp16 and fp32 TFLOPS,
+    and where the figures come from."""
+
+    name: str
+    half: float
+    fp32: float
+    source: str
+
+
+PEAKS = tuple(DevicePeaks(*row) for row in (
     # NVIDIA GH200 data sheet: BF16/FP16 Tensor Core 1,979 TFLOPS (sparse), FP32 67.
     ("GH200", 989.5, 67.0, "NVIDIA GH200 data sheet"),
     # NVIDIA H200 data sheet (nvidia.com/en-us/data-center/h200): SXM 1,979 (sparse) and FP32
@@ -45,7 +56,7 @@ PEAKS: tuple[tuple[str, float, float, str], ...] = (
     # vector engines of 16 fp32 fused multiply-adds: 839 and 52.4 TFLOPS per GPU. Aurora shows
     # each stack as a device (ZE_FLAT_DEVICE_HIERARCHY=FLAT).
     ("Max 1550", 419.4, 26.2, "Intel Max 1550 specification, per stack (half a GPU)"),
-)
+))
 
 
 @dataclass(frozen=True)
@@ -64,8 +75,8 @@ def peak_for(device_name: str, precision: str = "bf16",
     override = settings.value(PEAK_VARIABLE, environ)
     if override is not None:
         return Peak(override, f"{PEAK_VARIABLE}={override:g}")
-    column = 2 if precision == "fp32" else 1
     for row in PEAKS:
-        if row[0].lower() in device_name.lower():
-            return Peak(row[column], f"{row[3]}, {precision} dense")
+        if row.name.lower() in device_name.lower():
+            tflops = row.fp32 if precision == "fp32" else row.half
+            return Peak(tflops, f"{row.source}, {precision} dense")
     return Peak(None, f"no published peak known for '{device_name}': set {PEAK_VARIABLE}")
