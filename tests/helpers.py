@@ -110,7 +110,9 @@ def check_step_time(record: dict) -> None:
     assert step_time["seconds"] > 0, record
     shares = {name: step_time[name] for name in SHARES}
     assert abs(sum(share or 0.0 for share in shares.values()) - 1) < 0.01, shares
-    assert record["bound"] == max(BOUNDS, key=lambda name: shares[name] or 0.0), record
+    # The largest part; two parts can tie once rounded to the summary's three decimals.
+    largest = max(shares[name] or 0.0 for name in BOUNDS)
+    assert (shares[record["bound"]] or 0.0) == largest, record
     # Communication is measured wherever DDP trains; alone, a rank has none.
     assert (shares["communication"] is None) == (
         record["world_size"] > 1 and record["trainer"] == "imagenet_deepspeed"), record

@@ -657,7 +657,7 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "step_time": None if step_time is None else step_time.field(),
         "bound": None if step_time is None else step_time.bound,
         "tflops": None if used is None else float(f"{used.tflops:.4g}"),
-        "mfu": None if used is None or used.mfu is None else round(used.mfu, 4),
+        "mfu": None if used is None or used.mfu is None else float(f"{used.mfu:.4g}"),
         "step_time_ranks": None if step_time is None else step_time.ranks(),
         "flops": None if used is None else used.field(),
         "summary_file": runlog.summary_path(output_dir),
