@@ -211,7 +211,7 @@ def test_a_plain_ddp_script_with_xscales_lines_stops_resumes_and_names_a_straggl
         cluster, healed_nid002, tmp_path: Path):
     out, output = tmp_path / "out", tmp_path / "job.out"
     steps = 40 * (1024 // 3 // 32)  # 40 epochs of 10 steps per rank
-    job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "40", "--output-dir", str(out),
+    job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "40",
                             output=output, sbatch_options=THREE_RANKS,
                             env={"OUTPUT_DIR": str(out), **STRAGGLER_ENV})
     slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
@@ -241,8 +241,7 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, t
     healthy ranks are the processes they were, nothing was taken for a failure before (the
     auto interval's checkpoints included), and nobody for a straggler."""
     out, output = tmp_path / "out", tmp_path / "job.out"
-    job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "30", "--output-dir",
-                            str(out), output=output,
+    job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "30", output=output,
                             sbatch_options=("--nodes=4", "--ntasks-per-node=1", "--no-kill"),
                             env={"OUTPUT_DIR": str(out), "XSCALE_SPARES": "1",
                                  "XSCALE_HEARTBEAT_S": "6"})

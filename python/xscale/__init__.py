@@ -36,6 +36,7 @@ _PUBLIC = {
     "catch_stop_signals": "runtime",
     "stop_agreed": "runtime",
     "Loop": "runtime",
+    "prepare": "prepared",
     "Context": "dist",
     "loader": "data",
     "eval_loader": "data",

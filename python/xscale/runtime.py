@@ -40,12 +40,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
 from xscale import data, lifecycle
 from xscale.checkpoints import cadence, contents, engine, savers
-from xscale.dist import DistContext, init_distributed
+from xscale.dist import DistContext, init_distributed, read_placement
 from xscale.lifecycle import UserError
 from xscale.observe import (
     flight,
@@ -91,6 +92,31 @@ def start(*, backend: str | None = None, init_method: str | None = None,
     ctx = init_distributed(backend=backend, init_method=init_method, require_gpu=require_gpu,
                            **placement)
     ddp_recovery.prepare_replacement()  # before the script builds its DDP model
+    warn_misspelled_settings(ctx.is_main)
+    startup.mark("group")
+    global _started
+    _started = ctx
+    return ctx
+
+
+_started: DistContext | None = None  # start()'s context, which xscale.prepare takes
+
+
+def context() -> DistContext:
+    """The run's context for xscale.prepare: start()'s; for a script that joined its process
+    group itself, that group's backend and the rank's current device (with start()'s signal
+    handlers and settings check, from now on); start() itself for a script that has none."""
+    if _started is not None:
+        return _started
+    if not dist.is_initialized():
+        return start()
+    startup.mark("imports")  # a group of the script's own: its imports and its group end here
+    lifecycle.install_stop_handlers()
+    lifecycle.on_failure(flight.record_failure)
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    device = torch.device("cpu") if accelerator is None else \
+        torch.device(accelerator.type, torch.accelerator.current_device_index())
+    ctx = DistContext.at(read_placement(), device, dist.get_backend())
     warn_misspelled_settings(ctx.is_main)
     startup.mark("group")
     return ctx
@@ -450,11 +476,28 @@ class Loop:
         if self._micro < self.accumulation:
             return
         self._micro = 0
+        self._end_step(samples * self.accumulation, tokens)
+
+    def stepped(self, micro_batches: list[tuple[torch.Tensor | None, int]]) -> None:
+        """After an optimizer step that the script made without record() (xscale.prepare's
+        step hook): its MICRO_BATCHES, each (its loss or None where the loss is unknown, its
+        samples). The same bookkeeping as record()'s."""
+        if self.live is not None and self.live.step_dropped:
+            self._recover()
+            return
+        for loss, samples in micro_batches:
+            if loss is not None:
+                self.log.add(self.step, loss, samples)
+        self._micro = 0
+        self._end_step(sum(samples for _, samples in micro_batches), 0)
+
+    def _end_step(self, samples: int, tokens: int) -> None:
+        """A step is done: the clocks, the log, and at its interval a checkpoint and a vote."""
         self.step += 1
         self.tally.flops.end()
         self.stragglers.step()
         self.tally.clock.step()
-        self.meter.step(samples * self.accumulation, tokens)
+        self.meter.step(samples, tokens)
         if self.step == self.start_step + 1:
             self.tally.first_step(self.step)
         self.log.advance()

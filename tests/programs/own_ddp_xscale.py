@@ -1,19 +1,22 @@
 """own_ddp.py with xscale: the same script plus the lines docs/YOUR-SCRIPT.md shows for a plain
-PyTorch loop (tests/test_own_scripts.py checks that they are the only difference). For them it
-stops and saves at Slurm's warning, resumes where it stopped, names a straggler, writes the
-summary and notes its progress for the goodput ledger.
+PyTorch loop, the short form (tests/test_own_scripts.py checks that they are the only
+difference). For them it stops and saves at Slurm's warning, resumes where it stopped, names a
+straggler, writes the summary, notes its progress for the goodput ledger, and outlives a lost
+node when the job has a spare.
 """
 
 import argparse
 import json
 import os
 import socket
+import sys
 
 import torch
+import torch.distributed as dist
 import xscale
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def parse_args() -> argparse.Namespace:
@@ -23,7 +26,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--output-dir", default=None, help="checkpoints and the summary")
     return parser.parse_args()
 
 
@@ -43,23 +45,29 @@ def main() -> None:
     torch.manual_seed(0)
     inputs = torch.randn(1024, 16)
     data = TensorDataset(inputs, inputs @ torch.randn(16, 1))
-    loader = xscale.loader(data, ctx, batch_size=args.batch_size, workers=args.workers)
+    sampler = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
+                        num_workers=args.workers)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    loop = xscale.Loop(ctx, loader, model=model, optimizer=optimizer, epochs=args.epochs,
-                       output_dir=args.output_dir, checkpoint_every="auto")
+    model, optimizer, loader = xscale.prepare(model, optimizer, loader, epochs=args.epochs)
     losses = []
-    for _, (features, target) in loop.batches():
-        loss = train_step(model, optimizer, features, target)
-        losses.append(loss.item())
-        loop.record(loss, len(features))
-    loop.finish()
-    loop.report()
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for features, target in loader:
+            loss = train_step(model, optimizer, features, target)
+            losses.append(loss.item())
     print("RESULT " + json.dumps({
         "rank": rank, "world_size": world_size, "node": socket.gethostname(),
         "omp_threads": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
         "loss_first": losses[0], "loss_last": losses[-1]}), flush=True)
+    # gloo's worker thread can abort the interpreter's shutdown (exit 134, pytorch#190489):
+    # leave the group, flush, and exit before it runs.
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    xscale.run_and_exit(main)
+    main()

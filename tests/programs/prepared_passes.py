@@ -1,0 +1,82 @@
+"""A one-process script in the short form (xscale.prepare) whose samples are their own indices,
+so that the steps it trains can be compared between runs. tests/test_prepared.py runs it.
+
+    prepared_passes.py [--epochs N] [--peek] [--stop-at STEP] [--mistake KIND]
+
+--peek: each epoch first takes `next(iter(loader))` to print the batch size, as
+pytorch/examples' ddp-tutorial-series does; --stop-at: a stop signal arrives at that step;
+--mistake: hand prepare() what it cannot serve. Prints `TRAINED {json}`: the script's epochs,
+the first index of each batch it trained, and its passes' lengths.
+"""
+
+import argparse
+import json
+import signal
+
+import torch
+import xscale
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(64))
+
+
+class Engine(nn.Linear):
+    """What a DeepSpeed engine looks like to prepare(): a module with its own backward."""
+
+    def backward(self, loss):
+        loss.backward()
+
+    def save_checkpoint(self, path):
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--peek", action="store_true")
+    parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--mistake", choices=["no-end", "stream", "engine", "batch-sampler"])
+    args = parser.parse_args()
+    xscale.start()
+    torch.manual_seed(0)
+    data = TensorDataset(torch.arange(64, dtype=torch.float32).unsqueeze(1))
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data), num_workers=1)
+    model = nn.Linear(1, 1)
+    ends = {"epochs": args.epochs}
+    if args.mistake == "no-end":
+        ends = {}
+    elif args.mistake == "stream":
+        loader = DataLoader(Stream(), batch_size=4)
+    elif args.mistake == "engine":
+        model = Engine(1, 1)
+    elif args.mistake == "batch-sampler":
+        loader = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    model, optimizer, loader = xscale.prepare(model, optimizer, loader, checkpoint_every=5,
+                                              **ends)
+    trained, passes, step = [], [], 0
+    for epoch in range(args.epochs):
+        if args.peek:
+            print(f"epoch {epoch}: batch size {len(next(iter(loader))[0])}", flush=True)
+        drawn = 0
+        for (batch,) in loader:
+            loss = model(batch).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            trained.append(int(batch[0, 0]))
+            drawn += 1
+            step += 1
+            if step == args.stop_at:
+                signal.raise_signal(signal.SIGUSR1)  # Slurm's warning, to this rank alone
+        passes.append(drawn)
+    print("TRAINED " + json.dumps({"first_indices": trained, "passes": passes,
+                                   "batches_per_epoch": len(loader)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The short form (xscale.prepare) in one process: the script's own epoch loop trains exactly
+the run's steps, whatever it counts (a pass is the rest of the current epoch), a peek at the
+loader takes no batch away, a stop ends every pass after the checkpoint, the requeued run trains
+only what was left, and what prepare() cannot serve is one line and exit 2. Across ranks and
+nodes, with Slurm's warning and a lost node: tests/test_own_scripts.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import REPO
+from tests.helpers import run_forked, tagged_records
+
+SCRIPT = str(REPO / "tests" / "programs" / "prepared_passes.py")
+PYTHONPATH = str(REPO / "python")
+EPOCH = 16  # 64 samples, batches of 4, one rank
+
+
+def trained(result) -> dict:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return tagged_records(result.stdout, "TRAINED")[0]
+
+
+def summary(result) -> dict:
+    return tagged_records(result.stdout, "XSCALE_SUMMARY")[0]
+
+
+def test_the_scripts_loop_trains_the_runs_steps_exactly(tmp_path: Path):
+    def run(out: str, *args: str) -> tuple[list[str], dict[str, str]]:
+        return [SCRIPT, *args], {"OUTPUT_DIR": str(tmp_path / out), "PYTHONPATH": PYTHONPATH}
+
+    runs = [run("whole"), run("peeked", "--peek"), run("stopped", "--stop-at", "7"),
+            run("stopped", "--peek"), run("whole")]
+    results = run_forked(runs, tmp_path, preload=("torch", "xscale"))
+    whole, peeked, stopped, resumed, again = results
+    reference = trained(whole)
+    assert reference["passes"] == [EPOCH] * 3 and reference["batches_per_epoch"] == EPOCH
+    assert len(set(reference["first_indices"][:EPOCH])) == EPOCH  # a shuffled epoch
+    assert summary(whole)["steps"] == 3 * EPOCH and summary(whole)["loss_last"] is not None
+    # pytorch/examples' `next(iter(loader))` before each epoch takes nothing away.
+    assert trained(peeked)["first_indices"] == reference["first_indices"]
+    # The stop, at the vote after step 7 (every 10 steps): every later pass is empty, the
+    # checkpoint is of step 10, and the summary was written before the script's loop ended.
+    first = trained(stopped)
+    assert first["passes"] == [10, 0, 0], first
+    assert first["first_indices"] == reference["first_indices"][:10]
+    assert (summary(stopped)["stopped_early"], summary(stopped)["steps"]) == (True, 10)
+    assert summary(stopped)["checkpoint"].endswith("ckpt-000010.pt")
+    assert stopped.stdout.index("XSCALE_SUMMARY") < stopped.stdout.index("TRAINED")
+    # The requeued run starts its epochs at 0 again: its first pass is the rest of epoch 0, the
+    # others the epochs left, so both runs together trained the uninterrupted run's batches.
+    second = trained(resumed)
+    assert second["passes"] == [EPOCH - 10, EPOCH, EPOCH], second
+    assert first["first_indices"] + second["first_indices"] == reference["first_indices"]
+    assert (summary(resumed)["start_step"], summary(resumed)["steps"]) == (10, 3 * EPOCH)
+    # A run over already: every pass is empty.
+    assert trained(again)["passes"] == [0, 0, 0]
+
+
+def test_what_prepare_cannot_serve_is_one_line_and_exit_2(tmp_path: Path):
+    mistakes = {
+        "no-end": "xscale.prepare needs epochs= or max_steps=",
+        "stream": "the loader reads an IterableDataset",
+        "engine": "an engine of its own: use xscale.Loop",
+        "batch-sampler": "xscale.prepare replaces only DistributedSampler",
+    }
+    env = {"OUTPUT_DIR": str(tmp_path), "PYTHONPATH": PYTHONPATH}
+    results = run_forked([([SCRIPT, "--mistake", kind], env) for kind in mistakes], tmp_path,
+                         preload=("torch", "xscale"))
+    for (kind, words), result in zip(mistakes.items(), results, strict=True):
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, (kind, result.stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("prepared_passes.py: error: "), lines
+        assert words in lines[0], (kind, lines)
+        assert "TRAINED" not in result.stdout
