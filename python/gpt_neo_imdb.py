@@ -227,8 +227,7 @@ def training_arguments(args: argparse.Namespace, output_dir: str) -> TrainingArg
         eval_strategy="steps",
         eval_steps=args.eval_steps,
         logging_steps=args.logging_steps,
-        logging_first_step=True,  # the summary's loss_first is the loss before any learning
-        include_num_input_tokens_seen="all",  # counted and summed over ranks by Trainer
+        logging_first_step=True,  # the log's first loss is the one before any learning
         report_to=[],  # TensorBoard is added as a callback, into --logging-path
         dataloader_num_workers=args.num_workers,
         # Workers start with 'spawn' (see __main__) and re-import this file: keep them alive.

@@ -225,24 +225,60 @@ def test_stop_on_signal_votes_every_n_steps_and_asks_for_a_checkpoint_and_the_en
     from xscale import hf, runtime
 
     votes = []
-    monkeypatch.setattr(hf.runtime, "vote",
-                        lambda **_: runtime.Vote(stop=votes.append(1) or True, every=None))
+
+    def vote(*_, **__):  # no stop at the call's first step, a stop from then on
+        votes.append(1)
+        return runtime.Vote(stop=len(votes) > 1, every=None)
+
+    monkeypatch.setattr(hf.runtime, "vote", vote)
     callback = hf._StopOnSignal(cpu_tally(), every=5)
+    control = callback.on_step_end(None, TrainerState(global_step=1, max_steps=100),
+                                   TrainerControl())
+    assert votes == [1] and not control.should_training_stop  # the first step votes too
     control = callback.on_step_end(None, TrainerState(global_step=7, max_steps=100),
                                    TrainerControl())
-    assert votes == [] and not control.should_training_stop  # no vote between the 5s
+    assert votes == [1] and not control.should_training_stop  # no vote between the 5s
     control = callback.on_step_end(None, TrainerState(global_step=10, max_steps=100),
                                    TrainerControl())
-    assert votes == [1] and control.should_save and control.should_training_stop
+    assert votes == [1, 1] and control.should_save and control.should_training_stop
     assert callback.stopped_at == 10
     # No signal anywhere: the last step is saved (the runtime's cadence), training goes on to
     # its natural end.
-    monkeypatch.setattr(hf.runtime, "vote", lambda **_: runtime.Vote(stop=False, every=None))
+    monkeypatch.setattr(hf.runtime, "vote", lambda *_, **__: runtime.Vote(stop=False, every=None))
     callback = hf._StopOnSignal(cpu_tally(), every=5)
     control = callback.on_step_end(None, TrainerState(global_step=100, max_steps=100),
                                    TrainerControl())
     assert control.should_save and not control.should_training_stop
     assert callback.stopped_at is None
+
+
+def test_the_summarys_losses_and_tokens_are_counted_whatever_trainer_logs():
+    """The losses and tokens come from each micro-batch (XscaleTrainer.training_step) and travel
+    in the stop votes, not from Trainer's log: a run that logs nothing (the LUMI workshop's
+    logging_steps=500 on a shorter run) still has both. Two micro-batches a step, whose losses
+    add up to the step's."""
+    import torch
+    from torch import nn
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from xscale import hf
+
+    call = hf._TrainCall(cpu_tally(), wrapped=lambda: nn.Linear(1, 1))
+    vote = hf._StopOnSignal(call.tally, every=2, reduce=call.reduce_losses)
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=4, use_cpu=True,
+                             gradient_accumulation_steps=2, report_to=[])
+    state = TrainerState(global_step=0, max_steps=4)
+    call.on_train_begin(args, state, None)
+    for step, loss in enumerate([3.0, 2.0, 1.0, 0.5], start=1):
+        for _ in range(2):
+            call.micro_batch(torch.tensor(loss / 2), {"input_ids": torch.zeros(4, 16)})
+        state.global_step = step
+        call.on_step_end(args, state, None)
+        vote.on_step_end(args, state, TrainerControl())
+    # Votes at step 1 (the first), 2 and 4: the first window is step 1 alone, the last 3 and 4.
+    assert (call.loss_first, call.loss_last) == (3.0, 0.75)
+    call.on_train_end(args, state, None)
+    rates = call.throughput.local()  # 16 tokens a sample, padding included
+    assert rates.tokens_per_s == pytest.approx(16 * rates.samples_per_s) and rates.tokens_per_s
 
 
 def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_every_rank(
@@ -258,7 +294,7 @@ def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_ev
     monkeypatch.setenv("XSCALE_NODE_MTBF_H", "100")
     proposals = []
 
-    def vote(watch=None, proposal=None):  # the all-reduce's sum: rank 0's 1200, the others' 0
+    def vote(reduce=None, watch=None, proposal=None):  # the sum: rank 0's 1200, the others' 0
         proposals.append(proposal)
         return runtime.Vote(stop=False, every=None if proposal is None else 1200)
 
@@ -278,7 +314,9 @@ def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_ev
                 tally.saved(step, 0.5)  # Trainer's save, timed by _TrainCall
         assert asked == [10, 30]  # the timed save, and the last step's
         # Young: sqrt(2 x 0.5 s x 100 h / 4 nodes) = 300 s, at 0.25 s a step 1200 steps.
-        assert proposals == [None, runtime.Proposal(1200.0 if is_main else 0.0), None], proposals
+        # Votes at steps 1 (the first), 10 (asks for the timed save), 20 and 30.
+        assert proposals == [None, None, runtime.Proposal(1200.0 if is_main else 0.0), None], \
+            proposals
         assert state.save_steps == auto.every == 1200  # what the vote handed back
     lines = [line for line in capsys.readouterr().out.splitlines() if "auto" in line]
     assert lines == ["xscale: --save-steps auto: every 1200 steps (300.0 s): a save stops "

@@ -68,6 +68,7 @@ def test_there_are_the_lumi_templates_the_scenarios_need():
         "smoke.sbatch", "mnist.sbatch", "gpt-neo-1node.sbatch", "gpt-neo.sbatch",
         "gpt-neo-profile.sbatch", "imagenet.sbatch", "imagenet-deepspeed.sbatch",
         "imagenet-prestage.sbatch", "imagenet-miopen-cache.sbatch", "gpu-check.sbatch",
+        "train.sbatch",
     }
     assert AURORA
 
@@ -145,7 +146,12 @@ def template_inputs(tmp_path: Path) -> dict[str, str]:
     return {"SIF": str(sif), "DATA": str(data), "DATA_TAR": str(tarball)}
 
 
-def run_template(path: Path, tmp_path: Path, **extra: str) -> subprocess.Popen[str]:
+# The template for a script of one's own runs the command it is given.
+COMMANDS = {"train.sbatch": ["python", "-u", "train.py", "--epochs", "3"]}
+
+
+def run_template(path: Path, tmp_path: Path, command: list[str] | None = None,
+                 **extra: str) -> subprocess.Popen[str]:
     env = {
         "PATH": os.pathsep.join([str(stub_bin(tmp_path)), "/usr/bin", "/bin"]),
         "HOME": str(tmp_path), "FAKE_LOG": str(tmp_path / "log"),
@@ -155,8 +161,9 @@ def run_template(path: Path, tmp_path: Path, **extra: str) -> subprocess.Popen[s
         "MIOPEN_USER_DB_PATH": str(tmp_path / "miopen"), "STAGE_DIR": str(tmp_path / "stage"),
         **extra,
     }
-    return subprocess.Popen(["bash", str(path)], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    argv = ["bash", str(path), *(COMMANDS.get(path.name, []) if command is None else command)]
+    return subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
 
 def srun_calls(tmp_path: Path) -> list[dict]:
@@ -211,6 +218,24 @@ def test_lumi_template_without_an_image_stops_before_srun(path: Path, tmp_path: 
     assert code == 2
     assert err.strip().splitlines() == [err.strip()] and err.startswith("xscale: error: SIF ")
     assert srun_calls(tmp_path) == []
+
+
+def test_lumi_train_template_runs_the_command_it_is_given_and_none_is_one_line(tmp_path: Path):
+    """jobs/lumi/train.sbatch, for a script of one's own: its command on every rank, after
+    run.sh, with OUTPUT_DIR exported for xscale.prepare; without a command, one line, exit 2,
+    before srun."""
+    code, err = finish(run_template(lumi("train.sbatch"), tmp_path, **template_inputs(tmp_path)))
+    assert code == 0, err
+    step = next(c for c in srun_calls(tmp_path) if "/runscripts/run.sh" in c["argv"])
+    run_sh = step["argv"].index("/runscripts/run.sh")
+    assert step["argv"][run_sh + 1:] == COMMANDS["train.sbatch"], step["argv"]
+    assert step["OUTPUT_DIR"] == f"{tmp_path}/train-output/77", step
+    none = tmp_path / "none"
+    none.mkdir()
+    code, err = finish(run_template(lumi("train.sbatch"), none, [], **template_inputs(none)))
+    assert code == 2 and err.strip() == "xscale: error: no command: sbatch train.sbatch python " \
+        "-u YOUR_SCRIPT.py ARGS...", err
+    assert srun_calls(none) == []
 
 
 NEEDS_DATA = [p for p in LUMI if p.name in {"mnist.sbatch", "imagenet.sbatch",

@@ -231,6 +231,16 @@ def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler
         env={"OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1", **STRAGGLER_ENV})
     slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
     check_stopped_and_resumed(output, out / "tiny", steps, "2 on nid002")
+    # The summaries' losses and tokens are xscale's own count: the script asks Trainer for no
+    # token count (include_num_input_tokens_seen), and its log cadence does not matter.
+    text = output.read_text()
+    first, second = tagged_records(text, "XSCALE_SUMMARY")
+    for run in (first, second):
+        assert run["tokens_per_s"] > 0 and run["loss_last"] < run["loss_first"], run
+    # After the stop the script's evaluation is skipped (the time left is the checkpoint's);
+    # the resumed run evaluates.
+    skipped = [line for line in text.splitlines() if line.startswith("xscale: evaluation ")]
+    assert len(skipped) == 1 and f"stopped at step {first['steps']} " in skipped[0], skipped
 
 
 def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, tmp_path: Path):

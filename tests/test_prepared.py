@@ -30,9 +30,9 @@ def test_the_scripts_loop_trains_the_runs_steps_exactly(tmp_path: Path):
         return [SCRIPT, *args], {"OUTPUT_DIR": str(tmp_path / out), "PYTHONPATH": PYTHONPATH}
 
     runs = [run("whole"), run("peeked", "--peek"), run("stopped", "--stop-at", "7"),
-            run("stopped", "--peek"), run("whole")]
+            run("stopped", "--peek"), run("whole"), run("scaled", "--scaler")]
     results = run_forked(runs, tmp_path, preload=("torch", "xscale"))
-    whole, peeked, stopped, resumed, again = results
+    whole, peeked, stopped, resumed, again, scaled = results
     reference = trained(whole)
     assert reference["passes"] == [EPOCH] * 3 and reference["batches_per_epoch"] == EPOCH
     assert len(set(reference["first_indices"][:EPOCH])) == EPOCH  # a shuffled epoch
@@ -55,6 +55,12 @@ def test_the_scripts_loop_trains_the_runs_steps_exactly(tmp_path: Path):
     assert (summary(resumed)["start_step"], summary(resumed)["steps"]) == (10, 3 * EPOCH)
     # A run over already: every pass is empty.
     assert trained(again)["passes"] == [0, 0, 0]
+    # Steps a GradScaler skipped (no optimizer.step(), so no hook) are counted all the same:
+    # the run ends where its data does, and their overflowed losses stay out of the log.
+    assert trained(scaled)["first_indices"] == reference["first_indices"]
+    assert trained(scaled)["skipped"] > 0, trained(scaled)
+    assert summary(scaled)["steps"] == 3 * EPOCH and summary(scaled)["loss_first"] is not None
+    assert "xscale: step" in scaled.stdout + scaled.stderr  # the verdict: the run ended in full
 
 
 def test_what_prepare_cannot_serve_is_one_line_and_exit_2(tmp_path: Path):

@@ -3,6 +3,13 @@
     import xscale
 
     ctx = xscale.start()                                  # the process group, on this rank's GPU
+    ...                                                   # the script's model, optimizer, loader
+    model, optimizer, loader = xscale.prepare(model, optimizer, loader, epochs=10)
+    ...                                                   # the script's own loop, unchanged
+
+or, with the loop xscale's (the explicit form):
+
+    ctx = xscale.start()
     loader = xscale.loader(dataset, ctx, batch_size=32, workers=4)
     loop = xscale.Loop(ctx, loader, model=model, optimizer=optimizer, epochs=10,
                        output_dir=out, checkpoint_every="auto")
@@ -12,7 +19,7 @@
     loop.finish()
     loop.report()                                         # XSCALE_SUMMARY
 
-docs/YOUR-SCRIPT.md shows the lines for a plain PyTorch loop, Hugging Face's Trainer
+docs/YOUR-SCRIPT.md shows the lines for a plain PyTorch loop (either form), Hugging Face's Trainer
 (xscale.hf.XscaleTrainer) and DeepSpeed (an engine is a Loop's model). The public API is what
 `__all__` names, plus the modules xscale.hf, xscale.ds and xscale.vision (the example classifiers'
 command line, data and evaluation); the other modules are the package's own and may change.

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, PredictionOutput
 
 from xscale import lifecycle, runtime
 from xscale.dist import (
@@ -37,6 +37,7 @@ from xscale.dist import (
 )
 from xscale.observe import flight, profile_window, startup, stragglers
 from xscale.observe.throughput import Throughput
+from xscale.reductions import SumMeter, all_reduce_sums
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -86,7 +87,7 @@ class XscaleTrainer(Trainer):
 
     def __init__(self, *args: Any, resume: bool = True, checkpoint_every: int | str | None = None,
                  report_at_end: bool = True, name: str | None = None, **kwargs: Any) -> None:
-        lifecycle.install_stop_handlers()  # Slurm's warning while Trainer sets up: a stop
+        runtime.catch_stop_signals()  # Slurm's warning while Trainer sets up: a stop
         super().__init__(*args, **kwargs)
         _load_cpu_ranks_on_the_cpu()
         self.ctx = _context(self.args.device)
@@ -103,10 +104,40 @@ class XscaleTrainer(Trainer):
         elif checkpoint_every is not None:
             self.args.save_steps = int(checkpoint_every)
         watch = stragglers.watch(self.model, self.ctx.device, self.ctx.rank, self.ctx.world_size)
-        self.stop = _StopOnSignal(self.tally, watch=watch, auto=auto)
+        self.stop = _StopOnSignal(self.tally, watch=watch, auto=auto,
+                                  reduce=self.train_call.reduce_losses)
         for callback in (self.train_call, self.stop, _ProfileSteps(self.ctx.rank, self.ctx.device)):
             self.add_callback(callback)
         self.saved: str | None = None
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any,
+                      **kwargs: Any) -> torch.Tensor:
+        """Trainer's step on one micro-batch; its loss and tokens are counted here, whatever
+        the logging cadence (logging_steps) and include_num_input_tokens_seen say."""
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        self.train_call.micro_batch(loss, inputs)
+        return loss
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Trainer's evaluation; after a stop, none (the time left is for the requeue): one
+        line, and a NaN loss where the script reads one."""
+        if self.stopped:
+            return self._skipped("evaluation", kwargs.get("metric_key_prefix", "eval"))
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> PredictionOutput:
+        """Trainer's prediction; after a stop, none, as evaluate()."""
+        if self.stopped:
+            metrics = self._skipped("prediction", kwargs.get("metric_key_prefix", "test"))
+            return PredictionOutput(predictions=None, label_ids=None, metrics=metrics)
+        return super().predict(*args, **kwargs)
+
+    def _skipped(self, what: str, prefix: str) -> dict[str, float]:
+        if self.ctx.is_main:
+            print(f"xscale: {what} skipped: the run stopped at step {self.stop.stopped_at} for "
+                  "the requeue, and the time left is the checkpoint's (docs/YOUR-SCRIPT.md)",
+                  flush=True)
+        return {f"{prefix}_loss": float("nan")}
 
     def get_train_dataloader(self) -> DataLoader:
         return _shield_workers(super().get_train_dataloader())
@@ -142,8 +173,7 @@ class XscaleTrainer(Trainer):
         runtime.write_summary(
             self.ctx, self.model, trainer=self.run_name, started=self.started,
             start_step=call.start_step, steps=call.end_step, meter=call.throughput,
-            loss_first=call.losses[0] if call.losses else None,
-            loss_last=call.losses[-1] if call.losses else None,
+            loss_first=call.loss_first, loss_last=call.loss_last,
             stopped=self.stopped, checkpoint=self.saved,
             batch_size=args.per_device_train_batch_size,
             accumulation=args.gradient_accumulation_steps, counts_tokens=True,
@@ -229,18 +259,22 @@ def _initial_save_steps(max_steps: int, resume_from: str | None) -> int:
 
 class _StopOnSignal(TrainerCallback):
     """The runtime's stop vote and checkpoint cadence on Trainer's steps. Every
-    STOP_VOTE_EVERY steps and at the last, all ranks ask whether any received SIGUSR1/SIGTERM;
-    if so, Trainer saves a checkpoint at the end of this step and ends training, and the run
-    exits 0. The last step is saved too, as in every xscale loop (Trainer itself saves only
-    every save_steps). With auto, the same vote sets save_steps (_AutoSaveSteps)."""
+    STOP_VOTE_EVERY steps, at the first and at the last, all ranks ask whether any received
+    SIGUSR1/SIGTERM; if so, Trainer saves a checkpoint at the end of this step and ends
+    training, and the run exits 0. The last step is saved too, as in every xscale loop
+    (Trainer itself saves only every save_steps). With auto, the same vote sets save_steps
+    (_AutoSaveSteps); the losses since the last vote travel in it (`reduce`)."""
 
     def __init__(self, tally: runtime.RunTally, every: int = runtime.STOP_VOTE_EVERY,
                  watch: stragglers.StragglerWatch | None = None,
-                 auto: _AutoSaveSteps | None = None) -> None:
+                 auto: _AutoSaveSteps | None = None,
+                 reduce: Callable[..., dict[str, Any]] | None = None) -> None:
         self.tally, self.every = tally, every
         self.stopped_at: int | None = None
         self.watch = watch  # its vector travels in the vote (xscale.observe.stragglers)
         self.auto = auto
+        self.reduce = reduce  # the vote's all-reduce, with the losses in it (_TrainCall)
+        self._voted = False  # the first step votes too: the summary's first loss is its own
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
@@ -249,9 +283,10 @@ class _StopOnSignal(TrainerCallback):
             control.should_save = True
         if self.watch is not None:
             self.watch.step()
-        if last or state.global_step % self.every == 0:
+        if last or not self._voted or state.global_step % self.every == 0:
+            self._voted = True
             proposal = self.auto.at_vote(state, control) if self.auto is not None else None
-            agreed = runtime.vote(watch=self.watch, proposal=proposal)
+            agreed = runtime.vote(self.reduce, watch=self.watch, proposal=proposal)
             if self.auto is not None:
                 self.auto.decided(state, agreed)
             self.tally.interval(state.global_step)
@@ -263,15 +298,17 @@ class _StopOnSignal(TrainerCallback):
 
 
 class _TrainCall(TrainerCallback):
-    """What this `train()` call did: its first and last step, the losses it logged, its
-    throughput through xscale.observe.throughput (first step left out as warm-up), and its saves'
-    stalls in the tally.
+    """What this `train()` call did: its first and last step, its losses, its throughput
+    through xscale.observe.throughput (first step left out as warm-up), and its saves' stalls
+    in the tally.
 
-    Trainer's log_history also holds the entries of the run a checkpoint came from, so the
-    losses are collected from `on_log` of this call's steps. Trainer logs the mean loss over
-    all ranks, and counts tokens over all ranks (include_num_input_tokens_seen): each rank
-    books its share so that xscale's sum over ranks is the job's rate. The clock includes the
-    evaluations and checkpoints inside training, as the job's time does.
+    The losses and tokens are counted from XscaleTrainer.training_step, not from Trainer's log,
+    whose cadence (logging_steps) and token count (include_num_input_tokens_seen) are the
+    script's: with the LUMI workshop's logging_steps=500, a shorter run would log none. The
+    losses stay on the device and are averaged over the ranks in the stop vote's all-reduce
+    (reduce_losses); each rank books its own tokens, and xscale's sum over ranks is the job's
+    rate. The clock includes the evaluations and checkpoints inside training, as the job's
+    time does.
 
     The step time's data share (xscale.observe.steptime) is the time from the last step's end (or
     log, evaluation, save) to the next step's beginning: Trainer fetches the step's batches
@@ -285,17 +322,40 @@ class _TrainCall(TrainerCallback):
         self.tally, self.wrapped = tally, wrapped
         self.start_step = 0
         self.end_step = 0
-        self.losses: list[float] = []
+        self.loss_first: float | None = None
+        self.loss_last: float | None = None
+        self._losses = SumMeter()  # the step losses since the last vote, on the device
+        self._tokens = 0  # the step's, on this rank
+        self._steps_since_vote = 0
         self.throughput = Throughput(tally.ctx.device, warmup_steps=1)
-        self._tokens_seen = 0
         # The end of the last step, log, evaluation or save: a save after it is a stall, a
         # step's beginning after it a wait for data.
         self._busy_until = 0.0
 
+    def micro_batch(self, loss: torch.Tensor, inputs: dict[str, Any]) -> None:
+        """A micro-batch's loss (Trainer's share of the step's: their sum is the step's loss)
+        and its tokens (the input_ids', padding included, as Trainer counts them)."""
+        self._losses.add(loss_sum=loss.float())
+        input_ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        self._tokens += input_ids.numel() if torch.is_tensor(input_ids) else 0
+
+    def reduce_losses(self, **shared: float) -> dict[str, Any]:
+        """The vote's all-reduce with the mean step loss since the last vote in it."""
+        steps = {"loss_steps": float(self._steps_since_vote)}
+        sums = self._losses.reduce(**shared, **steps) if self._losses \
+            else all_reduce_sums({"loss_sum": 0.0, **steps, **shared})
+        self._losses.reset()
+        self._steps_since_vote = 0
+        if sums["loss_steps"]:
+            self.loss_last = sums["loss_sum"] / sums["loss_steps"]
+            if self.loss_first is None:
+                self.loss_first = self.loss_last
+        return sums
+
     def on_train_begin(self, args, state, control, **kwargs):
         # Called after Trainer restored the checkpoint's state: global_step is where we resume.
         self.start_step = self.end_step = state.global_step
-        self._tokens_seen = state.num_input_tokens_seen
+        self._steps_since_vote = 0
         self.throughput.start()
         self.tally.clock.watch(self.wrapped())
         self._busy_until = time.perf_counter()
@@ -305,10 +365,10 @@ class _TrainCall(TrainerCallback):
         self.tally.flops.begin()  # counts the first step only
 
     def on_step_end(self, args, state, control, **kwargs):
-        tokens = state.num_input_tokens_seen - self._tokens_seen
-        self._tokens_seen = state.num_input_tokens_seen
         samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        self.throughput.step(samples, tokens / args.world_size)
+        self.throughput.step(samples, self._tokens)
+        self._tokens = 0
+        self._steps_since_vote += 1
         self.tally.flops.end()
         self.tally.clock.step()
         if self.end_step == self.start_step:  # this call's first step
@@ -326,8 +386,6 @@ class _TrainCall(TrainerCallback):
         self._busy_until = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses.append(float(logs["loss"]))
         self._busy_until = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -91,7 +91,7 @@ def _prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoa
     return model, optimizer, ResumableLoader(run, resumable)
 
 
-def _exit_with_error(error: UserError) -> None:
+def _exit_with_error(error: UserError) -> NoReturn:
     """One line, and the process ends with status 2, the group left without waiting."""
     print(lifecycle.error_line(script_name(), str(error)), file=sys.stderr, flush=True)
     lifecycle.exit_cleanly(lifecycle.USAGE_ERROR)
@@ -115,9 +115,11 @@ def distributed(model: nn.Module, ctx: DistContext) -> nn.Module:
     """MODEL on the rank's device, in torch's DDP when more than one rank trains; a wrapper
     already (torch's DDP, or a script's own class around `.module`) is kept as it is. A
     replacement's DDP skips the start-up broadcast: its state comes from the survivors."""
-    if ctx.world_size == 1 or isinstance(getattr(model, "module", None), nn.Module):
+    if isinstance(getattr(model, "module", None), nn.Module):
         return model
-    model.to(ctx.device)
+    model.to(ctx.device)  # in place: the optimizer's parameters are the same objects
+    if ctx.world_size == 1:
+        return model
     device_ids = None if ctx.device.type == "cpu" else [ctx.device.index]
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
                                                init_sync=not links.joining())
@@ -142,7 +144,8 @@ def resumable_loader(loader: DataLoader, ctx: DistContext) -> DataLoader:
                                       shuffle=shuffle, seed=getattr(sampler, "seed", 0))
     return data.make_loader(loader.dataset, resumable, batch_size=loader.batch_size,
                             workers=loader.num_workers, device=ctx.device, drop_last=True,
-                            collate_fn=loader.collate_fn)
+                            collate_fn=loader.collate_fn,
+                            worker_init_fn=loader.worker_init_fn)
 
 
 class PreparedRun:
@@ -172,6 +175,7 @@ class PreparedRun:
             drawn_epoch, batch = self.held or self._next()
             self.held = None
             if drawn_epoch is None:
+                self._walk_over()
                 return
             if epoch is not None and drawn_epoch != epoch:
                 self.held = (drawn_epoch, batch)
@@ -183,7 +187,16 @@ class PreparedRun:
     def _next(self) -> tuple[int | None, Any]:
         return next(self.batches, (None, None))
 
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _walk_over(self) -> None:
+        """The last batch was drawn but the step hook did not end the run: a GradScaler
+        skipped the last optimizer step (the hook never ran). Count it, and end here."""
+        if self.drawn and not self.ended:
+            self._after_step(None, (), {})
+        if not self.ended:
+            self.end()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer | None, args: Any,
+                    kwargs: Any) -> None:
         """The optimizer stepped: the step's bookkeeping (Loop.stepped) with the losses whose
         backward() ran since the last step, then the end when the run is over."""
         if self.ended:
@@ -195,13 +208,20 @@ class PreparedRun:
             losses = losses[-1:] * len(drawn) if losses else [None] * len(drawn)
         micro = [(loss, samples) for loss, (_, _, samples) in zip(losses, drawn, strict=True)]
         # A step that a GradScaler skipped (inf gradients: no optimizer.step(), no hook) is
-        # counted here with this one: steps stay batches / accumulation, the data's position.
+        # counted here before this one, without its loss (it overflowed): steps stay batches /
+        # accumulation, the data's position.
         size = self.loop.accumulation
-        for first in range(0, max(len(micro), 1), size):
-            self.loop.stepped(micro[first:first + size])
-            if self.loop.stopped or self.loop.step == self.loop.end_step:
-                self.end()
-                return
+        steps = [micro[first:first + size] for first in range(0, max(len(micro), 1), size)]
+        for skipped in steps[:-1]:
+            self._stepped([(None, samples) for _, samples in skipped])
+        self._stepped(steps[-1])
+
+    def _stepped(self, micro: list[tuple[torch.Tensor | None, int]]) -> None:
+        if self.ended:
+            return
+        self.loop.stepped(micro)
+        if self.loop.stopped or self.loop.step == self.loop.end_step:
+            self.end()
 
     def _unscaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss as the script computed it: a GradScaler's backward() ran on it scaled."""
@@ -212,6 +232,7 @@ class PreparedRun:
     def end(self) -> None:
         """The last checkpoint and the summary, once, with the group still up."""
         self.ended = True
+        capture_losses(None)
         self.loop.finish()
         self.loop.report()
 
@@ -242,19 +263,24 @@ def samples_in(batch: Any, default: int) -> int:
     return len(batch) if torch.is_tensor(batch) and batch.dim() > 0 else default
 
 
-def capture_losses(sink: list[torch.Tensor]) -> None:
+_loss_sink: list[torch.Tensor] | None = None  # where capture_losses keeps them, while training
+
+
+def capture_losses(sink: list[torch.Tensor] | None) -> None:
     """Keep each scalar whose backward() runs (the loss) in SINK, for the log and the summary:
-    the script computes its loss in its own lines, where nothing else sees it."""
+    the script computes its loss in its own lines, where nothing else sees it. None: keep no
+    more (the training is over)."""
+    global _loss_sink
+    _loss_sink = sink
     original = torch.Tensor.backward
-    if getattr(original, "xscale_sink", None) is not None:
-        original.xscale_sink = sink
+    if sink is None or hasattr(original, "xscale_wrapped"):
         return
 
     @functools.wraps(original)
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        if self.numel() == 1:
-            backward.xscale_sink.append(self.detach())
+        if _loss_sink is not None and self.numel() == 1:
+            _loss_sink.append(self.detach())
         return original(self, *args, **kwargs)
 
-    backward.xscale_sink = sink
+    backward.xscale_wrapped = True
     torch.Tensor.backward = backward

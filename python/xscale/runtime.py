@@ -87,7 +87,7 @@ def start(*, backend: str | None = None, init_method: str | None = None,
     The returned context has the rank's place, device and backend (xscale.Context).
     """
     startup.mark("imports")  # the script's first call: everything it imports is imported
-    lifecycle.install_stop_handlers()
+    catch_stop_signals()
     lifecycle.on_failure(flight.record_failure)
     ctx = init_distributed(backend=backend, init_method=init_method, require_gpu=require_gpu,
                            **placement)
@@ -111,7 +111,7 @@ def context() -> DistContext:
     if not dist.is_initialized():
         return start()
     startup.mark("imports")  # a group of the script's own: its imports and its group end here
-    lifecycle.install_stop_handlers()
+    catch_stop_signals()
     lifecycle.on_failure(flight.record_failure)
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device("cpu") if accelerator is None else \
@@ -125,9 +125,10 @@ def context() -> DistContext:
 def catch_stop_signals() -> None:
     """Catch Slurm's warning (SIGUSR1) and SIGTERM from now on: they set a flag that the next
     stop vote reads (Loop, stop_agreed, XscaleTrainer), instead of ending the process. Call it
-    first thing when the script loads a model for minutes before xscale.start() or
-    XscaleTrainer would catch them. Under the spawn start method it also starts
-    multiprocessing's resource tracker shielded, before something starts it unshielded."""
+    first thing when the script loads a model for minutes before xscale.start(),
+    xscale.prepare() or XscaleTrainer would catch them (each does). Under the spawn start
+    method it also starts multiprocessing's resource tracker shielded, before something starts
+    it unshielded: the warning would kill it, and every rank would report leaked resources."""
     lifecycle.install_stop_handlers()
     if multiprocessing.get_start_method(allow_none=True) == "spawn":
         lifecycle.shield_resource_tracker()

@@ -2,12 +2,12 @@
 """A stand-in for Slurm's srun, for the LUMI templates run without a cluster.
 
 tests/test_jobs.py (stub_bin) copies it to a bin directory on PATH as `srun`. It records each
-call in $FAKE_LOG/srun (argv as JSON, the MASTER_ADDR it inherited, and the SINGULARITYENV_
-variables). A host-side step (mkdir, tar, rm) runs once, here; jobs/lib/stage-node runs once per
-node (nid001, nid002); a container step does not run. The training step (the one that starts
-/runscripts/run*.sh) waits for USR1 when FAKE_SRUN_WAIT is set, as a running step waits for
-Slurm's time-limit warning: it touches $FAKE_LOG/step-started, and appends what it got to
-$FAKE_LOG/step-signals.
+call in $FAKE_LOG/srun (argv as JSON, the MASTER_ADDR and OUTPUT_DIR it inherited, and the
+SINGULARITYENV_ variables). A host-side step (mkdir, tar, rm) runs once, here;
+jobs/lib/stage-node runs once per node (nid001, nid002); a container step does not run. The
+training step (the one that starts /runscripts/run*.sh) waits for USR1 when FAKE_SRUN_WAIT is
+set, as a running step waits for Slurm's time-limit warning: it touches $FAKE_LOG/step-started,
+and appends what it got to $FAKE_LOG/step-signals.
 """
 
 import json
@@ -20,6 +20,7 @@ import time
 log = os.environ["FAKE_LOG"]
 with open(os.path.join(log, "srun"), "a") as out:
     record = {"argv": sys.argv[1:], "MASTER_ADDR": os.environ.get("MASTER_ADDR"),
+              "OUTPUT_DIR": os.environ.get("OUTPUT_DIR"),
               **{k: v for k, v in os.environ.items() if k.startswith("SINGULARITYENV_")}}
     out.write(json.dumps(record) + "\n")
 command = [a for a in sys.argv[1:] if not a.startswith("-")]

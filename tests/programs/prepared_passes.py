@@ -1,12 +1,13 @@
 """A one-process script in the short form (xscale.prepare) whose samples are their own indices,
 so that the steps it trains can be compared between runs. tests/test_prepared.py runs it.
 
-    prepared_passes.py [--epochs N] [--peek] [--stop-at STEP] [--mistake KIND]
+    prepared_passes.py [--epochs N] [--peek] [--stop-at STEP] [--scaler] [--mistake KIND]
 
 --peek: each epoch first takes `next(iter(loader))` to print the batch size, as
 pytorch/examples' ddp-tutorial-series does; --stop-at: a stop signal arrives at that step;
---mistake: hand prepare() what it cannot serve. Prints `TRAINED {json}`: the script's epochs,
-the first index of each batch it trained, and its passes' lengths.
+--scaler: a GradScaler skips the first steps (no optimizer.step(), no step hook);
+--mistake: hand prepare() what it cannot serve. Prints `TRAINED {json}`: the first index of
+each batch it trained, its passes' lengths, and the steps its GradScaler skipped.
 """
 
 import argparse
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--peek", action="store_true")
     parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--scaler", action="store_true",
+                        help="a GradScaler whose first steps overflow, and are skipped")
     parser.add_argument("--mistake", choices=["no-end", "stream", "engine", "batch-sampler"])
     args = parser.parse_args()
     xscale.start()
@@ -56,9 +59,11 @@ def main() -> None:
     elif args.mistake == "batch-sampler":
         loader = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    # 1e38: the first gradients overflow; the scale halves at each skipped step until they fit.
+    scaler = torch.amp.GradScaler("cpu", init_scale=1e38, enabled=args.scaler)
     model, optimizer, loader = xscale.prepare(model, optimizer, loader, checkpoint_every=5,
-                                              **ends)
-    trained, passes, step = [], [], 0
+                                              scaler=scaler, **ends)
+    trained, passes, step, skipped = [], [], 0, 0
     for epoch in range(args.epochs):
         if args.peek:
             print(f"epoch {epoch}: batch size {len(next(iter(loader))[0])}", flush=True)
@@ -66,8 +71,11 @@ def main() -> None:
         for (batch,) in loader:
             loss = model(batch).pow(2).mean()
             optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            scaler.scale(loss).backward()
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped += scaler.get_scale() < scale
             trained.append(int(batch[0, 0]))
             drawn += 1
             step += 1
@@ -75,7 +83,8 @@ def main() -> None:
                 signal.raise_signal(signal.SIGUSR1)  # Slurm's warning, to this rank alone
         passes.append(drawn)
     print("TRAINED " + json.dumps({"first_indices": trained, "passes": passes,
-                                   "batches_per_epoch": len(loader)}), flush=True)
+                                   "batches_per_epoch": len(loader), "skipped": skipped}),
+          flush=True)
 
 
 if __name__ == "__main__":
