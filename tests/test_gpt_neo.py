@@ -259,7 +259,7 @@ def test_the_summarys_losses_and_tokens_are_counted_whatever_trainer_logs():
     add up to the step's."""
     import torch
     from torch import nn
-    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers import BatchEncoding, TrainerControl, TrainerState, TrainingArguments
     from xscale import hf
 
     call = hf._TrainCall(cpu_tally(), wrapped=lambda: nn.Linear(1, 1))
@@ -270,7 +270,9 @@ def test_the_summarys_losses_and_tokens_are_counted_whatever_trainer_logs():
     call.on_train_begin(args, state, None)
     for step, loss in enumerate([3.0, 2.0, 1.0, 0.5], start=1):
         for _ in range(2):
-            call.micro_batch(torch.tensor(loss / 2), {"input_ids": torch.zeros(4, 16)})
+            # What Trainer hands training_step: the collator's BatchEncoding, no dict.
+            inputs = BatchEncoding({"input_ids": torch.zeros(4, 16)})
+            call.micro_batch(torch.tensor(loss / 2), inputs)
         state.global_step = step
         call.on_step_end(args, state, None)
         vote.on_step_end(args, state, TrainerControl())

@@ -15,7 +15,7 @@ import json
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -109,6 +109,7 @@ class XscaleTrainer(Trainer):
         for callback in (self.train_call, self.stop, _ProfileSteps(self.ctx.rank, self.ctx.device)):
             self.add_callback(callback)
         self.saved: str | None = None
+        self._said_skipped = False
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any,
                       **kwargs: Any) -> torch.Tensor:
@@ -133,10 +134,12 @@ class XscaleTrainer(Trainer):
         return super().predict(*args, **kwargs)
 
     def _skipped(self, what: str, prefix: str) -> dict[str, float]:
-        if self.ctx.is_main:
+        """One line, once (Trainer's own evaluation at the stopping step skips too)."""
+        if self.ctx.is_main and not self._said_skipped:
             print(f"xscale: {what} skipped: the run stopped at step {self.stop.stopped_at} for "
                   "the requeue, and the time left is the checkpoint's (docs/YOUR-SCRIPT.md)",
                   flush=True)
+        self._said_skipped = True
         return {f"{prefix}_loss": float("nan")}
 
     def get_train_dataloader(self) -> DataLoader:
@@ -336,7 +339,7 @@ class _TrainCall(TrainerCallback):
         """A micro-batch's loss (Trainer's share of the step's: their sum is the step's loss)
         and its tokens (the input_ids', padding included, as Trainer counts them)."""
         self._losses.add(loss_sum=loss.float())
-        input_ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        input_ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         self._tokens += input_ids.numel() if torch.is_tensor(input_ids) else 0
 
     def reduce_losses(self, **shared: float) -> dict[str, Any]:
