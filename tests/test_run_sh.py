@@ -91,6 +91,17 @@ def test_no_launcher_is_one_process(tmp_path):
     assert env["XSCALE_LAUNCHER"] == "none"
 
 
+def test_a_node_without_gpus_has_hugging_face_train_data_parallel_on_its_cpus(tmp_path):
+    """accelerate makes the ranks of a CPU-only node one data-parallel job only when told the
+    CPU is meant; run.sh tells it on the generic site where no GPU's device file exists (this
+    machine), and never on a GPU site."""
+    gpu_files = [Path("/dev/kfd"), Path("/dev/nvidiactl"), *Path("/dev/dri").glob("renderD*")]
+    if any(path.exists() for path in gpu_files):
+        pytest.skip("this machine has a GPU's device file")
+    assert print_env(base_env(tmp_path))["ACCELERATE_USE_CPU"] == "true"
+    assert "ACCELERATE_USE_CPU" not in print_env(base_env(tmp_path, XSCALE_SITE="nvidia"))
+
+
 def test_slurm_recorded_from_real_srun(tmp_path):
     env = print_env(base_env(tmp_path, **recorded_slurm_env()))
     assert env["XSCALE_LAUNCHER"] == "slurm"

@@ -62,7 +62,6 @@ def main() -> None:
         dataloader_num_workers=args.num_workers,
         report_to=["tensorboard"],
         ddp_find_unused_parameters=False,
-        use_cpu=not torch.cuda.is_available(),
     )
 
     def tokenize(batch: dict) -> dict:
@@ -86,7 +85,9 @@ def main() -> None:
     if rank == 0:
         print(f"Perplexity on test: {math.exp(eval_loss):.2f}")
         print("RESULT " + json.dumps({"world_size": world_size, "steps": trainer.state.global_step,
-                                      "losses": losses, "logging_dir": logging_dir}), flush=True)
+                                      "losses": losses, "logging_dir": logging_dir,
+                                      "process_group": torch.distributed.is_initialized()}),
+              flush=True)
 
 
 if __name__ == "__main__":
