@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,6 +197,28 @@ def test_four_ranks_on_two_nodes_stop_on_usr1_to_the_step_and_resume(cluster, ti
                              capture_output=True, text=True, timeout=60)
     assert f"{profiles / 'rank3.svg'}: a py-spy flame graph; open it with a web browser" \
         in listing.stdout, listing.stdout + listing.stderr
+
+
+# The resource tracker's signal mask, read as a script that imported xscale.hf sees it.
+TRACKER_MASK = """
+import xscale.hf
+from multiprocessing import resource_tracker
+status = open(f"/proc/{resource_tracker._resource_tracker._pid}/status").read()
+print(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")))
+"""
+
+
+def test_importing_xscale_hf_starts_the_resource_tracker_out_of_the_warnings_reach():
+    """Under the LUMI workshop's set_start_method('spawn'), the first data set loaded starts
+    multiprocessing's resource tracker (datasets' progress bars take a multiprocessing lock),
+    before XscaleTrainer exists; Slurm's warning then killed it on every rank (78 warnings and
+    69 KeyError tracebacks in a 3-rank job on the bed). xscale.hf starts it first, with the
+    warning blocked."""
+    proc = subprocess.run([sys.executable, "-c", TRACKER_MASK], capture_output=True, text=True,
+                          timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(
+                              REPO / "python")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.strip(), 16) & (1 << (signal.SIGUSR1 - 1)), proc.stdout
 
 
 def test_newest_checkpoint_passes_over_a_save_that_was_cut_off(tmp_path: Path):

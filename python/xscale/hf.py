@@ -41,6 +41,14 @@ from xscale.reductions import SumMeter, all_reduce_sums
 
 TRAINER_STATE = "trainer_state.json"
 
+# Slurm's warning goes to every process of the step, multiprocessing's resource tracker too,
+# which dies of it (and every rank then prints a traceback for each of its semaphores) unless it
+# started with the signal blocked. Under the spawn start method (the LUMI workshop's script sets
+# it) the first data set loaded starts it: datasets' progress bars take a multiprocessing lock,
+# long before XscaleTrainer is built. Started here, shielded (40 ms), it is the one every later
+# user finds running.
+lifecycle.shield_resource_tracker()
+
 
 def ddp_arguments() -> dict[str, Any]:
     """xscale's choices as TrainingArguments' keywords: use_cpu (this rank has no GPU; the GPU
