@@ -29,8 +29,8 @@ def test_the_scripts_loop_trains_the_runs_steps_exactly(tmp_path: Path):
     def run(out: str, *args: str) -> tuple[list[str], dict[str, str]]:
         return [SCRIPT, *args], {"OUTPUT_DIR": str(tmp_path / out), "PYTHONPATH": PYTHONPATH}
 
-    runs = [run("whole"), run("peeked", "--peek"), run("stopped", "--stop-at", "7"),
-            run("stopped", "--peek"), run("whole"), run("scaled", "--scaler")]
+    runs = [run("whole"), run("peeked", "--peek"), run("stopped", "--stop-at", "23"),
+            run("stopped"), run("whole"), run("scaled", "--scaler")]
     results = run_forked(runs, tmp_path, preload=("torch", "xscale"))
     whole, peeked, stopped, resumed, again, scaled = results
     reference = trained(whole)
@@ -39,22 +39,28 @@ def test_the_scripts_loop_trains_the_runs_steps_exactly(tmp_path: Path):
     assert summary(whole)["steps"] == 3 * EPOCH and summary(whole)["loss_last"] is not None
     # pytorch/examples' `next(iter(loader))` before each epoch takes nothing away.
     assert trained(peeked)["first_indices"] == reference["first_indices"]
-    # The stop, at the vote after step 7 (every 10 steps): every later pass is empty, the
-    # checkpoint is of step 10, and the summary was written before the script's loop ended.
+    # The stop, in epoch 1 at the vote after step 23 (every 10 steps): every later pass is
+    # empty, the checkpoint is of step 30, and the summary was written before the script's loop
+    # ended.
     first = trained(stopped)
-    assert first["passes"] == [10, 0, 0], first
-    assert first["first_indices"] == reference["first_indices"][:10]
-    assert (summary(stopped)["stopped_early"], summary(stopped)["steps"]) == (True, 10)
-    assert summary(stopped)["checkpoint"].endswith("ckpt-000010.pt")
+    assert first["passes"] == [EPOCH, 30 - EPOCH, 0], first
+    assert first["first_indices"] == reference["first_indices"][:30]
+    assert (summary(stopped)["stopped_early"], summary(stopped)["steps"]) == (True, 30)
+    assert summary(stopped)["checkpoint"].endswith("ckpt-000030.pt")
     assert stopped.stdout.index("XSCALE_SUMMARY") < stopped.stdout.index("TRAINED")
-    # The requeued run starts its epochs at 0 again: its first pass is the rest of epoch 0, the
-    # others the epochs left, so both runs together trained the uninterrupted run's batches.
+    # The requeued run starts its epochs at 0 again: its first pass is the rest of epoch 1, its
+    # second epoch 2, its third none (the run is over), so both runs together trained the
+    # uninterrupted run's batches, at its learning rates (the StepLR restored, and stepped
+    # after each pass as before).
     second = trained(resumed)
-    assert second["passes"] == [EPOCH - 10, EPOCH, EPOCH], second
+    assert second["passes"] == [2 * EPOCH - 30, EPOCH, 0], second
     assert first["first_indices"] + second["first_indices"] == reference["first_indices"]
-    assert (summary(resumed)["start_step"], summary(resumed)["steps"]) == (10, 3 * EPOCH)
+    assert first["rates"] + second["rates"] == reference["rates"]
+    assert reference["rates"][::EPOCH] == [1e-4, 5e-5, 2.5e-5]
+    assert (summary(resumed)["start_step"], summary(resumed)["steps"]) == (30, 3 * EPOCH)
     # A run over already: every pass is empty.
     assert trained(again)["passes"] == [0, 0, 0]
+    assert trained(peeked)["rates"] == reference["rates"]
     # Steps a GradScaler skipped (no optimizer.step(), so no hook) are counted all the same:
     # the run ends where its data does, and their overflowed losses stay out of the log.
     assert trained(scaled)["first_indices"] == reference["first_indices"]

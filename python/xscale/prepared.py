@@ -49,6 +49,7 @@ SAMPLERS = (DistributedSampler, RandomSampler, SequentialSampler)
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, *,
             epochs: int | None = None, max_steps: int | None = None,
+            scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
             scaler: torch.amp.GradScaler | None = None, output_dir: str | Path | None = None,
             checkpoint_every: int | str = "auto",
             **options: Any) -> tuple[nn.Module, torch.optim.Optimizer, ResumableLoader]:
@@ -59,7 +60,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoad
     step; the newest checkpoint in OUTPUT_DIR is restored here.
 
     epochs or max_steps: where the run ends (the last checkpoint and the summary are written
-    there, while the process group is up). scaler: a GradScaler saved with the checkpoints.
+    there, while the process group is up). scheduler, scaler: an LR scheduler and a GradScaler,
+    saved with the checkpoints; the script steps them as before (a pass is an epoch, or the
+    rest of one, so a per-epoch schedule stays in step).
     output_dir: the checkpoints and the summary (default: $OUTPUT_DIR, as the job templates
     set it; none: no checkpoints). checkpoint_every: steps between checkpoints ("auto": Young's
     interval from the first save's cost; 0: only at a stop and at the end). `options`: the
@@ -67,14 +70,15 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoad
     A mistake is one line and exit status 2, before the first step."""
     try:
         return _prepare(model, optimizer, loader, epochs=epochs, max_steps=max_steps,
-                        scaler=scaler, output_dir=output_dir, checkpoint_every=checkpoint_every,
-                        **options)
+                        scheduler=scheduler, scaler=scaler, output_dir=output_dir,
+                        checkpoint_every=checkpoint_every, **options)
     except UserError as error:
         _exit_with_error(error)
 
 
 def _prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, *,
-             scaler: torch.amp.GradScaler | None, output_dir: str | Path | None,
+             scheduler: Any, scaler: torch.amp.GradScaler | None,
+             output_dir: str | Path | None,
              **options: Any) -> tuple[nn.Module, torch.optim.Optimizer, ResumableLoader]:
     if options["epochs"] is None and options["max_steps"] is None:
         raise UserError("xscale.prepare needs epochs= or max_steps=: where the run ends is "
@@ -86,7 +90,7 @@ def _prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoa
     if output_dir is None:
         output_dir = os.environ.get("OUTPUT_DIR") or None
     loop = Loop(ctx, resumable, model=model, optimizer=optimizer, scaler=scaler,
-                output_dir=output_dir, **options)
+                scheduler=scheduler, output_dir=output_dir, **options)
     run = PreparedRun(loop, optimizer, scaler)
     return model, optimizer, ResumableLoader(run, resumable)
 

@@ -277,8 +277,8 @@ class RunTally:
 
 
 def _saver_and_resume(ctx: DistContext, model: nn.Module, optimizer: Any, scaler: Any,
-                      config: LoopConfig, resume: bool) -> tuple[savers.Saver | None,
-                                                                 int | None]:
+                      scheduler: Any, config: LoopConfig,
+                      resume: bool) -> tuple[savers.Saver | None, int | None]:
     """How the loop saves, and the step restored from the newest checkpoint (None: a fresh
     start): the script's own `save=` and `resumed_step`, else a DeepSpeed engine's own
     checkpointing (xscale.checkpoints.engine), else xscale.checkpoints.savers' with the
@@ -294,10 +294,10 @@ def _saver_and_resume(ctx: DistContext, model: nn.Module, optimizer: Any, scaler
     if optimizer is None:
         return None, None
     resumed = contents.resume_training(output_dir, model, optimizer, scaler, rank=ctx.rank,
-                                         enabled=resume)
+                                       enabled=resume, scheduler=scheduler)
     save = savers.training_saver(output_dir, model, optimizer, scaler, is_main=ctx.is_main,
-                                     keep=config.keep_checkpoints,
-                                     **(config.checkpoint_fields or {}))
+                                 keep=config.keep_checkpoints, scheduler=scheduler,
+                                 **(config.checkpoint_fields or {}))
     return save, resumed
 
 
@@ -343,7 +343,8 @@ class Loop:
 
     def __init__(self, ctx: DistContext, loader: DataLoader, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer | None = None,
-                 scaler: torch.amp.GradScaler | None = None, **options: Any) -> None:
+                 scaler: torch.amp.GradScaler | None = None, scheduler: Any = None,
+                 **options: Any) -> None:
         config = LoopConfig(**options)
         self.ctx, self.model, self.loader = ctx, model, loader
         self.prog = script_name()
@@ -373,7 +374,7 @@ class Loop:
             print(f"xscale: live recovery is off for this run: {not_live}; a lost node "
                   "restarts the launch on a spare instead (docs/YOUR-SCRIPT.md)", flush=True)
         joining = self.live is not None and self.live.link.joining
-        self.saver, resumed = _saver_and_resume(ctx, model, optimizer, scaler, config,
+        self.saver, resumed = _saver_and_resume(ctx, model, optimizer, scaler, scheduler, config,
                                                 config.resume and not joining)
         self.start_step = self.step = resumed or 0
         self.epoch = self.start_step // self.per_epoch

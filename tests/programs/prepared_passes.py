@@ -7,7 +7,8 @@ so that the steps it trains can be compared between runs. tests/test_prepared.py
 pytorch/examples' ddp-tutorial-series does; --stop-at: a stop signal arrives at that step;
 --scaler: a GradScaler skips the first steps (no optimizer.step(), no step hook);
 --mistake: hand prepare() what it cannot serve. Prints `TRAINED {json}`: the first index of
-each batch it trained, its passes' lengths, and the steps its GradScaler skipped.
+each batch it trained and the learning rate it trained with (a StepLR halves it each epoch), its
+passes' lengths, and the steps its GradScaler skipped.
 """
 
 import argparse
@@ -61,9 +62,11 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     # 1e38: the first gradients overflow; the scale halves at each skipped step until they fit.
     scaler = torch.amp.GradScaler("cpu", init_scale=1e38, enabled=args.scaler)
+    # Stepped after each epoch, as pytorch/examples' ImageNet script steps its StepLR.
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     model, optimizer, loader = xscale.prepare(model, optimizer, loader, checkpoint_every=5,
-                                              scaler=scaler, **ends)
-    trained, passes, step, skipped = [], [], 0, 0
+                                              scheduler=scheduler, scaler=scaler, **ends)
+    trained, rates, passes, step, skipped = [], [], [], 0, 0
     for epoch in range(args.epochs):
         if args.peek:
             print(f"epoch {epoch}: batch size {len(next(iter(loader))[0])}", flush=True)
@@ -77,12 +80,14 @@ def main() -> None:
             scaler.update()
             skipped += scaler.get_scale() < scale
             trained.append(int(batch[0, 0]))
+            rates.append(optimizer.param_groups[0]["lr"])
             drawn += 1
             step += 1
             if step == args.stop_at:
                 signal.raise_signal(signal.SIGUSR1)  # Slurm's warning, to this rank alone
         passes.append(drawn)
-    print("TRAINED " + json.dumps({"first_indices": trained, "passes": passes,
+        scheduler.step()
+    print("TRAINED " + json.dumps({"first_indices": trained, "rates": rates, "passes": passes,
                                    "batches_per_epoch": len(loader), "skipped": skipped}),
           flush=True)
 

@@ -63,9 +63,12 @@ def training_state(
     step: int,
     epoch: int,
     scaler: torch.amp.GradScaler | None = None,
+    *,
+    scheduler: Any = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """What a resumed run needs: weights, optimizer, AMP scaler, position, every rank's RNG.
+    """What a resumed run needs: weights, optimizer, AMP scaler, LR scheduler, position, every
+    rank's RNG.
 
     A collective (the RNG states are gathered): every rank calls it, rank 0 saves the result.
     """
@@ -78,6 +81,8 @@ def training_state(
     }
     if scaler is not None and scaler.is_enabled():
         state["scaler"] = scaler.state_dict()
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
     state.update(extra)
     return state
 
@@ -88,8 +93,9 @@ def restore_training_state(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None = None,
     rank: int = 0,
+    scheduler: Any = None,
 ) -> tuple[int, int]:
-    """Load a training_state() into the model, optimizer and scaler; (step, epoch).
+    """Load a training_state() into the model, optimizer, scaler and scheduler; (step, epoch).
 
     Each rank takes back its own RNG stream when the world size is unchanged; after a change
     the streams cannot be matched to ranks, so they are left as seeded.
@@ -98,6 +104,8 @@ def restore_training_state(
     optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and "scaler" in state:
         scaler.load_state_dict(state["scaler"])
+    if scheduler is not None and "scheduler" in state:
+        scheduler.load_state_dict(state["scheduler"])
     streams = state.get("rng") or []
     world = dist.get_world_size() if dist.is_initialized() else 1
     if len(streams) == world:
@@ -107,7 +115,7 @@ def restore_training_state(
 
 def resume_training(output_dir: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None = None, *, rank: int,
-                    enabled: bool = True) -> int | None:
+                    enabled: bool = True, scheduler: Any = None) -> int | None:
     """The step a run resumes from after restoring the newest checkpoint in `output_dir`, a .pt
     file or a .dcp directory, or None for a fresh start (no directory, none there, or
     --no-resume). Every rank calls it. A newest one that cannot be read is reported and the one
@@ -122,24 +130,29 @@ def resume_training(output_dir: Path | None, model: nn.Module, optimizer: torch.
             return None
         _, path, state = found
         if state is not None:
-            return restore_training_state(state, model, optimizer, scaler, rank=rank)[0]
+            return restore_training_state(state, model, optimizer, scaler, rank=rank,
+                                          scheduler=scheduler)[0]
         # Only now: torch.distributed.checkpoint costs a second of start-up (dcp_checkpoint).
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
-            return restore_every_rank(path, model, optimizer, scaler, rank=rank)
+            return restore_every_rank(path, model, optimizer, scaler, rank=rank,
+                                      scheduler=scheduler)
         except CheckpointException as error:  # raised on every rank alike: all fall back
             warn_unreadable(path, error)
             skip.add(path)
 
 
 def restore_every_rank(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       scaler: torch.amp.GradScaler | None = None, *, rank: int) -> int:
+                       scaler: torch.amp.GradScaler | None = None, *, rank: int,
+                       scheduler: Any = None) -> int:
     """Load a ckpt-STEP.dcp (every rank its part, in place; a collective); the step."""
     run, rng = every_rank.load(path, unwrap(model), optimizer, rank=rank,
                                    group=every_rank.checkpoint_group())
     if scaler is not None and "scaler" in run:
         scaler.load_state_dict(run["scaler"])
+    if scheduler is not None and "scheduler" in run:
+        scheduler.load_state_dict(run["scheduler"])
     if rng is not None:
         set_rng_state(every_rank.unpack(rng))
     return int(run["step"])

@@ -106,16 +106,17 @@ class TrainingSaver:
 
     def __init__(self, output_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None, *, is_main: bool, keep: int,
-                 mode: str, extra: dict[str, Any]) -> None:
+                 mode: str, extra: dict[str, Any], scheduler: Any = None) -> None:
         self.output_dir, self.model = output_dir, model
-        self.optimizer, self.scaler = optimizer, scaler
+        self.optimizer, self.scaler, self.scheduler = optimizer, scaler, scheduler
         self.is_main, self.keep, self.mode, self.extra = is_main, keep, mode, extra
         self.writer = BackgroundWriter()
 
     def __call__(self, step: int, epoch: int) -> Path:
         if self.is_main:
             self.writer.wait()  # one copy of the state in host memory at a time
-        state = training_state(self.model, self.optimizer, step, epoch, self.scaler, **self.extra)
+        state = training_state(self.model, self.optimizer, step, epoch, self.scaler,
+                               scheduler=self.scheduler, **self.extra)
         if self.is_main and self.mode == "sync":
             save(self.output_dir, step, state, keep=self.keep)
             self.writer.last_write_s = 0.0
@@ -145,9 +146,9 @@ class EveryRankSaver(TrainingSaver):
 
     def __init__(self, output_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None, *, is_main: bool, keep: int,
-                 mode: str, extra: dict[str, Any]) -> None:
+                 mode: str, extra: dict[str, Any], scheduler: Any = None) -> None:
         super().__init__(output_dir, model, optimizer, scaler, is_main=is_main, keep=keep,
-                         mode=mode, extra=extra)
+                         mode=mode, extra=extra, scheduler=scheduler)
         self.group = every_rank.checkpoint_group()
         self.token = every_rank.run_token(self.group)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -161,6 +162,8 @@ class EveryRankSaver(TrainingSaver):
         run = {"step": step, "epoch": epoch, "world_size": self.world, **self.extra}
         if self.scaler is not None and self.scaler.is_enabled():
             run["scaler"] = self.scaler.state_dict()
+        if self.scheduler is not None:
+            run["scheduler"] = self.scheduler.state_dict()
         state = every_rank.state_dict(unwrap(self.model), self.optimizer, run,
                                           every_rank.pack(rng_state()), self.rank)
         partial = every_rank.partial_path(self.output_dir, step, self.token)
@@ -187,11 +190,11 @@ class EveryRankSaver(TrainingSaver):
 
 def training_saver(output_dir: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
                    scaler: torch.amp.GradScaler | None = None, *, is_main: bool, keep: int,
-                   **extra: Any) -> TrainingSaver | None:
+                   scheduler: Any = None, **extra: Any) -> TrainingSaver | None:
     """The runtime Loop's saver (every rank makes it at the same point); None without an output
     directory."""
     if output_dir is None:
         return None
     make = EveryRankSaver if checkpoint_writers() == "all" else TrainingSaver
     return make(output_dir, model, optimizer, scaler, is_main=is_main, keep=keep,
-                mode=checkpoint_mode(), extra=extra)
+                mode=checkpoint_mode(), extra=extra, scheduler=scheduler)
