@@ -228,10 +228,12 @@ class PreparedRun:
             self.end()
 
     def _unscaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss as the script computed it: a GradScaler's backward() ran on it scaled."""
+        """The loss as the script computed it: a GradScaler's backward() ran on it scaled. The
+        scale as the device holds it: get_scale() would wait for the device at every step."""
         if self.scaler is None or not self.scaler.is_enabled():
             return loss
-        return loss / self.scaler.get_scale()
+        scale = self.scaler._get_scale_async()  # the step's: update() comes after the hook
+        return loss / (self.scaler.get_scale() if scale is None else scale)
 
     def end(self) -> None:
         """The last checkpoint and the summary, once, with the group still up."""

@@ -336,7 +336,8 @@ class Loop:
     tensorboard_dir: the loss curve (default OUTPUT_DIR/tb). warmup_steps: the first steps left
     out of the rates (None: a tenth of the run, 1 to 5, for a short benchmark run whose first
     steps search kernels). name: the run's name in the summary (default: the script's file name
-    without .py). checkpoint_fields: more entries for each checkpoint file.
+    without .py). checkpoint_fields: more entries for each checkpoint file. scaler,
+    scheduler: a GradScaler and an LR scheduler, saved and restored with the checkpoints.
     A script with checkpoints of its own passes `save(step, epoch)`, called at the cadence
     above (returning where it saved), and `resumed_step`, the step it restored.
     """
