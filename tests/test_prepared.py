@@ -30,9 +30,9 @@ def test_the_scripts_loop_trains_the_runs_steps_exactly(tmp_path: Path):
         return [SCRIPT, *args], {"OUTPUT_DIR": str(tmp_path / out), "PYTHONPATH": PYTHONPATH}
 
     runs = [run("whole"), run("peeked", "--peek"), run("stopped", "--stop-at", "23"),
-            run("stopped"), run("whole"), run("scaled", "--scaler")]
+            run("stopped"), run("whole"), run("scaled", "--scaler"), run("own", "--own-group")]
     results = run_forked(runs, tmp_path, preload=("torch", "xscale"))
-    whole, peeked, stopped, resumed, again, scaled = results
+    whole, peeked, stopped, resumed, again, scaled, own = results
     reference = trained(whole)
     assert reference["passes"] == [EPOCH] * 3 and reference["batches_per_epoch"] == EPOCH
     assert len(set(reference["first_indices"][:EPOCH])) == EPOCH  # a shuffled epoch
@@ -67,6 +67,9 @@ def test_the_scripts_loop_trains_the_runs_steps_exactly(tmp_path: Path):
     assert trained(scaled)["skipped"] > 0, trained(scaled)
     assert summary(scaled)["steps"] == 3 * EPOCH and summary(scaled)["loss_first"] is not None
     assert "xscale: step" in scaled.stdout + scaled.stderr  # the verdict: the run ended in full
+    # A script that joins its group itself (no live recovery then) gets the rest alike.
+    assert trained(own)["first_indices"] == reference["first_indices"]
+    assert (summary(own)["backend"], summary(own)["steps"]) == ("gloo", 3 * EPOCH)
 
 
 def test_what_prepare_cannot_serve_is_one_line_and_exit_2(tmp_path: Path):

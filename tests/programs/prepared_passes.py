@@ -1,11 +1,13 @@
 """A one-process script in the short form (xscale.prepare) whose samples are their own indices,
 so that the steps it trains can be compared between runs. tests/test_prepared.py runs it.
 
-    prepared_passes.py [--epochs N] [--peek] [--stop-at STEP] [--scaler] [--mistake KIND]
+    prepared_passes.py [--epochs N] [--peek] [--stop-at STEP] [--scaler] [--own-group]
+                       [--mistake KIND]
 
 --peek: each epoch first takes `next(iter(loader))` to print the batch size, as
 pytorch/examples' ddp-tutorial-series does; --stop-at: a stop signal arrives at that step;
---scaler: a GradScaler skips the first steps (no optimizer.step(), no step hook);
+--scaler: a GradScaler skips the first steps (no optimizer.step(), no step hook); --own-group:
+the script joins its group itself (prepare() takes it as it is);
 --mistake: hand prepare() what it cannot serve. Prints `TRAINED {json}`: the first index of
 each batch it trained and the learning rate it trained with (a StepLR halves it each epoch), its
 passes' lengths, and the steps its GradScaler skipped.
@@ -16,6 +18,7 @@ import json
 import signal
 
 import torch
+import torch.distributed as dist
 import xscale
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
@@ -43,9 +46,14 @@ def main() -> None:
     parser.add_argument("--stop-at", type=int, default=None)
     parser.add_argument("--scaler", action="store_true",
                         help="a GradScaler whose first steps overflow, and are skipped")
+    parser.add_argument("--own-group", action="store_true",
+                        help="join the process group with torch's own call, not xscale.start()")
     parser.add_argument("--mistake", choices=["no-end", "stream", "engine", "batch-sampler"])
     args = parser.parse_args()
-    xscale.start()
+    if args.own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        xscale.start()
     torch.manual_seed(0)
     data = TensorDataset(torch.arange(64, dtype=torch.float32).unsqueeze(1))
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data), num_workers=1)
