@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -28,14 +27,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, PredictionOutput
 
 from xscale import lifecycle, runtime
 from xscale.dist import (
-    DistContext,
     choose_backend,
     choose_device,
     probe_accelerator,
     read_placement,
     timeout_from_env,
 )
-from xscale.observe import flight, profile_window, startup, stragglers
+from xscale.observe import profile_window, startup, stragglers
 from xscale.observe.throughput import Throughput
 from xscale.reductions import SumMeter, all_reduce_sums
 
@@ -95,10 +93,10 @@ class XscaleTrainer(Trainer):
 
     def __init__(self, *args: Any, resume: bool = True, checkpoint_every: int | str | None = None,
                  report_at_end: bool = True, name: str | None = None, **kwargs: Any) -> None:
-        runtime.catch_stop_signals()  # Slurm's warning while Trainer sets up: a stop
+        lifecycle.install_stop_handlers()  # Slurm's warning while Trainer sets up: a stop
         super().__init__(*args, **kwargs)
         _load_cpu_ranks_on_the_cpu()
-        self.ctx = _context(self.args.device)
+        self.ctx = runtime.joined(self.args.device)  # Trainer's arguments joined it
         self.resume, self.report_at_end = resume, report_at_end
         self.run_name = name or runtime.default_run_name()
         self.started = runtime.STARTED
@@ -119,7 +117,7 @@ class XscaleTrainer(Trainer):
         self.saved: str | None = None
         self._said_skipped = False
 
-    def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any,
+    def training_step(self, model: nn.Module, inputs: Mapping[str, Any], *args: Any,
                       **kwargs: Any) -> torch.Tensor:
         """Trainer's step on one micro-batch; its loss and tokens are counted here, whatever
         the logging cadence (logging_steps) and include_num_input_tokens_seen say."""
@@ -189,17 +187,6 @@ class XscaleTrainer(Trainer):
             batch_size=args.per_device_train_batch_size,
             accumulation=args.gradient_accumulation_steps, counts_tokens=True,
             stragglers=self.stop.watch, tally=self.tally, output_dir=args.output_dir, **own)
-
-
-def _context(device: torch.device) -> DistContext:
-    """This rank's context once Trainer's arguments have joined the group (accelerate does, as
-    TrainingArguments is built): the start-up's `group` moment (xscale.observe.startup). From here a
-    failed collective leaves its flight record, as after xscale.start()."""
-    startup.mark("imports")  # for a script whose first xscale call this is
-    startup.mark("group")
-    lifecycle.on_failure(flight.record_failure)
-    backend = dist.get_backend() if dist.is_initialized() else None
-    return DistContext.at(read_placement(), device, backend)
 
 
 @functools.cache  # once per process
@@ -343,10 +330,10 @@ class _TrainCall(TrainerCallback):
         # step's beginning after it a wait for data.
         self._busy_until = 0.0
 
-    def micro_batch(self, loss: torch.Tensor, inputs: dict[str, Any]) -> None:
+    def micro_batch(self, loss: torch.Tensor, inputs: Mapping[str, Any]) -> None:
         """A micro-batch's loss (Trainer's share of the step's: their sum is the step's loss)
         and its tokens (the input_ids', padding included, as Trainer counts them)."""
-        self._losses.add(loss_sum=loss.float())
+        self._losses.add(loss_sum=loss)
         input_ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         self._tokens += input_ids.numel() if torch.is_tensor(input_ids) else 0
 

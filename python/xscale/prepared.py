@@ -37,6 +37,7 @@ from torch.utils.data import (
 )
 
 from xscale import data, lifecycle
+from xscale.checkpoints import engine
 from xscale.dist import DistContext
 from xscale.lifecycle import UserError
 from xscale.recovery import link as links
@@ -104,7 +105,7 @@ def _exit_with_error(error: UserError) -> NoReturn:
 def check_served(model: nn.Module, optimizer: Any) -> None:
     """The objects prepare() can take: a torch module (not another framework's engine) and a
     torch optimizer, whose step hooks count the steps."""
-    if hasattr(model, "save_checkpoint") and hasattr(model, "backward"):
+    if engine.is_engine(model):
         kind = type(model)
         raise UserError(f"the model is a {kind.__module__}.{kind.__qualname__}, an engine of its "
                         "own: use xscale.Loop with it (docs/YOUR-SCRIPT.md, DeepSpeed)")

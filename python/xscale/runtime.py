@@ -110,16 +110,25 @@ def context() -> DistContext:
         return _started
     if not dist.is_initialized():
         return start()
-    startup.mark("imports")  # a group of the script's own: its imports and its group end here
     catch_stop_signals()
-    lifecycle.on_failure(flight.record_failure)
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     device = torch.device("cpu") if accelerator is None else \
         torch.device(accelerator.type, torch.accelerator.current_device_index())
-    ctx = DistContext.at(read_placement(), device, dist.get_backend())
+    ctx = joined(device)
     warn_misspelled_settings(ctx.is_main)
-    startup.mark("group")
     return ctx
+
+
+def joined(device: torch.device) -> DistContext:
+    """This rank's context in a process group that the script or its framework joined (its own
+    init_process_group; Hugging Face's Trainer, whose arguments join it): the start-up's
+    `imports` and `group` moments (xscale.observe.startup) end here, and from here a failed
+    collective leaves its flight record, as after start()."""
+    startup.mark("imports")  # for a script whose first xscale call this is
+    startup.mark("group")
+    lifecycle.on_failure(flight.record_failure)
+    backend = dist.get_backend() if dist.is_initialized() else None
+    return DistContext.at(read_placement(), device, backend)
 
 
 def catch_stop_signals() -> None:
@@ -288,7 +297,7 @@ def _saver_and_resume(ctx: DistContext, model: nn.Module, optimizer: Any, scaler
     output_dir = config.output_dir
     if output_dir is None:
         return None, None
-    if hasattr(model, "save_checkpoint") and hasattr(model, "load_checkpoint"):
+    if engine.is_engine(model):
         return (engine.saver(model, output_dir, config.keep_checkpoints),
                 engine.resume(model, output_dir, ctx.rank, resume))
     if optimizer is None:

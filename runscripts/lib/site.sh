@@ -49,6 +49,12 @@ xs_has_cxi_nic() {
   return 1
 }
 
+# True when any GPU's device file is present: AMD's /dev/kfd, NVIDIA's /dev/nvidiactl, or a DRM
+# render node (AMD and Intel). compgen is a builtin: no process.
+xs_has_gpu_device() {
+  [[ -e /dev/kfd || -e /dev/nvidiactl ]] || compgen -G '/dev/dri/renderD*' >/dev/null
+}
+
 # True when a DRM device of PCI vendor 0x8086 (Intel) is present. A read of a sysfs file per
 # device; the glob and `read` are builtins.
 xs_has_intel_gpu() {

@@ -12,7 +12,5 @@ XS_PROFILER_DEFAULT='py-spy record -o {dir}/rank{rank}.svg --'
 # Hugging Face's Trainer (accelerate) makes placed ranks data-parallel on CPUs only when told the
 # CPU is meant (TrainingArguments(use_cpu=True) or ACCELERATE_USE_CPU); without, every rank of a
 # CPU-only node would train alone, silently. Told only where no GPU's device file exists (an AMD
-# or Intel workstation is "generic" too). compgen is a builtin: no fork.
-if [[ ! -e /dev/kfd && ! -e /dev/nvidiactl ]] && ! compgen -G '/dev/dri/renderD*' >/dev/null; then
-  xs_default ACCELERATE_USE_CPU true
-fi
+# or Intel workstation is "generic" too: lib/site.sh, xs_has_gpu_device).
+xs_has_gpu_device || xs_default ACCELERATE_USE_CPU true

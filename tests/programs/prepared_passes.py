@@ -38,6 +38,9 @@ class Engine(nn.Linear):
     def save_checkpoint(self, path):
         pass
 
+    def load_checkpoint(self, path):
+        pass
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()

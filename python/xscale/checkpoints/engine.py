@@ -19,6 +19,11 @@ from xscale.lifecycle import UserError
 TAG = re.compile(r"^global_step(\d+)$")
 
 
+def is_engine(model: Any) -> bool:
+    """Whether MODEL checkpoints itself, as a DeepSpeed engine does (every rank its shards)."""
+    return hasattr(model, "save_checkpoint") and hasattr(model, "load_checkpoint")
+
+
 def tag(step: int) -> str:
     """The checkpoint tag of STEP: DeepSpeed's own naming, global_stepN."""
     return f"global_step{step}"
