@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -241,19 +242,18 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_two_ranks(tmp_path: Path, program: str, *args: str, **extra: str) -> list:
+def run_two_ranks(tmp_path: Path, program: str, *args: str,
+                  preload: tuple[str, ...] = ("torch",), **extra: str) -> list:
+    """PROGRAM as the two ranks of a gloo job on this machine, forks of one interpreter that
+    imported PRELOAD (ForkedRanks; TRAINING_IMPORTS for a program that builds an optimizer);
+    [(exit status, stdout, stderr)] by rank."""
     script = tmp_path / "two_ranks.py"
     script.write_text(program)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=rank_env(rank, 2, port, **extra))
-             for rank in range(2)]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        results.append((proc.returncode, out, err))
-    return results
+    ranks = ForkedRanks([([str(script), *args], rank_env(rank, 2, port, **extra))
+                         for rank in range(2)], Path.cwd(), preload,
+                        env=rank_env(0, 2, port, **extra))
+    return [(result.returncode, result.stdout, result.stderr) for result in ranks.results(120)]
 
 
 def results_of(runs: list) -> list[dict]:
@@ -266,6 +266,11 @@ def results_of(runs: list) -> list[dict]:
 
 
 FORKED_RUNS = Path(__file__).resolve().parent / "programs" / "forked_runs.py"
+
+
+# What a training run imports before its first step: torch, and torch._dynamo, which the first
+# optimizer imports (torch/_compile.py wraps Optimizer.add_param_group): 2.6 s of CPU here.
+TRAINING_IMPORTS = ("torch", "torch._dynamo")
 
 
 def run_forked(commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
@@ -284,3 +289,55 @@ def run_forked(commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
     return [subprocess.CompletedProcess(argv, result["returncode"], result["stdout"],
                                         result["stderr"])
             for (argv, _), result in zip(commands, json.loads(proc.stdout), strict=True)]
+
+
+class ForkedRanks:
+    """The ranks of one host-only job, started at once as forks of one interpreter that imported
+    PRELOAD (tests/programs/forked_runs.py --together): each (ARGV, ENV) a process of its own,
+    as `python ARGV` starts, without paying `import torch` again. ENV is that interpreter's, as
+    for run_forked. The ranks' pids are in `pids`, for signals."""
+
+    def __init__(self, commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
+                 preload: tuple[str, ...], env: dict[str, str]):
+        self.argvs = [argv for argv, _ in commands]
+        runs = [{"argv": argv, "env": run_env, "cwd": str(cwd)} for argv, run_env in commands]
+        self._tool = subprocess.Popen([sys.executable, str(FORKED_RUNS), "--together", *preload],
+                                      cwd=cwd, env=env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._tool.stdin.write(json.dumps(runs))
+        self._tool.stdin.close()
+        self._tool.stdin = None  # written whole: communicate() below only reads
+        first = self._tool.stdout.readline()
+        if not first:
+            raise AssertionError(f"forked_runs.py started no rank: {self._tool.stderr.read()}")
+        self.pids: list[int] = json.loads(first)
+
+    def all_running(self) -> bool:
+        """Every rank still runs (forked_runs.py reaps each as it ends)."""
+        def running(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+
+        return all(running(pid) for pid in self.pids)
+
+    def kill(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def results(self, timeout: float) -> list[subprocess.CompletedProcess[str]]:
+        """Each rank's exit status and output, once all have ended (killed after TIMEOUT)."""
+        try:
+            out, err = self._tool.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, err = self._tool.communicate(timeout=60)
+        assert self._tool.returncode == 0, err[-4000:]
+        return [subprocess.CompletedProcess(argv, result["returncode"], result["stdout"],
+                                            result["stderr"])
+                for argv, result in zip(self.argvs, json.loads(out), strict=True)]

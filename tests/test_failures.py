@@ -101,17 +101,18 @@ def time_to_end(cluster, job_id: str, since: float) -> tuple[str, float]:
 
 def test_a_network_partition_fails_the_job_and_names_the_cut_off_node(cluster, mnist_data,
                                                                       tmp_path):
-    """nid002's hsn0 goes down mid-training (a dead Slingshot link): the ranks on nid001 give up
+    """nid002's hsn0 goes down mid-training (a dead Slingshot link): the rank on nid001 gives up
     after XSCALE_TIMEOUT_S, Slurm loses nid002 after SlurmdTimeout, and the run ends naming it,
     instead of hanging until the time limit. The template asks for --requeue, so Slurm puts the
-    job back in the queue itself, as it does on a real partition after a node failure."""
+    job back in the queue itself, as it does on a real partition after a node failure. One rank
+    per node: the cut is between nodes."""
     timeout_s = 15
     job_id, output = start_endless_training(
         cluster, mnist_data, tmp_path, XSCALE_TIMEOUT_S=str(timeout_s),
-        sbatch_options=("--nodelist=nid[001-002]",))
+        sbatch_options=("--nodelist=nid[001-002]", "--ntasks-per-node=1"))
     try:
         assert {env["SLURMD_NODENAME"] for env in job_processes(job_id).values()
-                if env.get("RANK") in ("2", "3")} == {"nid002"}
+                if env.get("RANK") == "1"} == {"nid002"}
         cut_at = time.monotonic()
         cluster.fault("link-down", "nid002")
         wait_for(lambda: job_fields(job_id)["JobState"] not in {"RUNNING", "COMPLETING"},
@@ -125,7 +126,7 @@ def test_a_network_partition_fails_the_job_and_names_the_cut_off_node(cluster, m
           f"({fields['JobState']}, restarts {fields['Restarts']})")
     assert (fields["JobState"], fields["Restarts"]) in {("PENDING", "1"), ("NODE_FAIL", "0")}
     text = output.read_text()
-    # The ranks left on nid001 time out waiting for their peers on nid002 ...
+    # The rank left on nid001 times out waiting for its peer on nid002 ...
     assert f"Timed out waiting {timeout_s * 1000}ms" in text
     # ... and Slurm names the node that was cut off.
     assert "srun: error: Node failure on nid002" in text, text[-3000:]
@@ -226,21 +227,21 @@ def writes_under_way(out_dir: Path) -> list[str]:
 
 def test_a_killed_rank_ends_the_job_fast_and_its_torn_write_is_passed_over_on_resume(
         cluster, mnist_data, tmp_path):
-    """kill -9 of rank 3 (2 nodes x 2) while rank 0's background write of a checkpoint is
-    under way: srun --kill-on-bad-exit=1 ends the other three at once instead of leaving them in
-    an all-reduce until the collective timeout (an hour here, so only srun can have ended them);
+    """kill -9 of rank 1 (2 nodes x 1) while rank 0's background write of a checkpoint is
+    under way: srun --kill-on-bad-exit=1 ends rank 0 at once instead of leaving it in an
+    all-reduce until the collective timeout (an hour here, so only srun can have ended it);
     the half-written file was never published, and the next run resumes from the checkpoint
     before it."""
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     env = {"DATA": str(mnist_data), "OUTPUT_DIR": str(out_dir), "MAX_STEPS": "100000",
            "EPOCHS": "100000", "CHECKPOINT_EVERY": "10", "XSCALE_TIMEOUT_S": "3600",
            **SLOW_STORAGE}
-    job_id = cluster.submit(MNIST_JOB, env=env, output=output,
-                            sbatch_options=(f"--chdir={REPO}",))
+    one_per_node = (f"--chdir={REPO}", "--ntasks-per-node=1")
+    job_id = cluster.submit(MNIST_JOB, env=env, output=output, sbatch_options=one_per_node)
     try:
         wait_for(lambda: any(out_dir.glob("ckpt-*.pt")) and writes_under_way(out_dir),
                  240, "a published checkpoint and the next one being written")
-        victim = rank_pid(job_id, 3)
+        victim = rank_pid(job_id, 1)
         victim_node = job_processes(job_id)[victim]["SLURMD_NODENAME"]
         assert victim_node != job_processes(job_id)[rank_pid(job_id, 0)]["SLURMD_NODENAME"]
         killed_at = time.monotonic()
@@ -249,18 +250,18 @@ def test_a_killed_rank_ends_the_job_fast_and_its_torn_write_is_passed_over_on_re
         state, took = time_to_end(cluster, job_id, killed_at)
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)
-    print(f"time to fail after kill -9 of rank 3: {took:.1f} s")
+    print(f"time to fail after kill -9 of rank 1: {took:.1f} s")
     assert state == "FAILED"
     # srun names the dead task (the shim, like singularity, exits 128+9 for a SIGKILLed command).
     text = output.read_text()
-    assert re.search(rf"srun: error: {victim_node}: task 3: (Killed|Exited with exit code 137)",
+    assert re.search(rf"srun: error: {victim_node}: task 1: (Killed|Exited with exit code 137)",
                      text), text[-3000:]
     assert "Timed out waiting" not in text, text[-3000:]
     published = [path.name for path in sorted(out_dir.glob("ckpt-*.pt"))]
     assert torn and published, (torn, published)
     env.update(MAX_STEPS=str(int(published[-1][5:11]) + 10))
     rerun = tmp_path / "rerun.out"
-    job_id = cluster.submit(MNIST_JOB, env=env, output=rerun, sbatch_options=(f"--chdir={REPO}",))
+    job_id = cluster.submit(MNIST_JOB, env=env, output=rerun, sbatch_options=one_per_node)
     try:
         state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
     finally:

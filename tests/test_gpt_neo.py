@@ -395,14 +395,15 @@ def test_a_workshop_script_on_transformers_4x_api_trains_unchanged_on_two_nodes(
     """A script written as the LUMI AI workshop writes its GPT-neo fine-tuning, for the images
     LUMI ships: `TrainingArguments(logging_dir=...)` and `Trainer(tokenizer=...)`, which
     transformers 5 removed, run on xscale's pins (constraints.txt) through run.sh, one rank on
-    each of two nodes, with a DataLoader worker each; TensorBoard writes where logging_dir says."""
+    each of two nodes; TensorBoard writes where logging_dir says. Without a DataLoader worker:
+    a spawned one imports the script's libraries again (the four-rank test above has them)."""
     model, data = tiny
     out, logs = tmp_path / "out", tmp_path / "logs"
     proc = cluster.srun(
         "-N2", "-n2", "--cpu-bind=none",
         *in_container("python", "-u", WORKSHOP_SCRIPT, "--model-name", "tiny",
                       "--output-path", str(out), "--logging-path", str(logs),
-                      "--num-workers", "1", "--pretrained-model", str(model),
+                      "--num-workers", "0", "--pretrained-model", str(model),
                       "--dataset", str(data), "--max-steps", "20"),
         # One thread each: the bed's two virtual nodes share this machine's two cores.
         env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=300)

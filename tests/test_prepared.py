@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.conftest import REPO
-from tests.helpers import run_forked, tagged_records
+from tests.helpers import TRAINING_IMPORTS, run_forked, tagged_records
 
 SCRIPT = str(REPO / "tests" / "programs" / "prepared_passes.py")
 PYTHONPATH = str(REPO / "python")
@@ -31,7 +31,7 @@ def test_the_scripts_loop_trains_the_runs_steps_exactly(tmp_path: Path):
 
     runs = [run("whole"), run("peeked", "--peek"), run("stopped", "--stop-at", "23"),
             run("stopped"), run("whole"), run("scaled", "--scaler"), run("own", "--own-group")]
-    results = run_forked(runs, tmp_path, preload=("torch", "xscale"))
+    results = run_forked(runs, tmp_path, preload=(*TRAINING_IMPORTS, "xscale"))
     whole, peeked, stopped, resumed, again, scaled, own = results
     reference = trained(whole)
     assert reference["passes"] == [EPOCH] * 3 and reference["batches_per_epoch"] == EPOCH
@@ -81,7 +81,7 @@ def test_what_prepare_cannot_serve_is_one_line_and_exit_2(tmp_path: Path):
     }
     env = {"OUTPUT_DIR": str(tmp_path), "PYTHONPATH": PYTHONPATH}
     results = run_forked([([SCRIPT, "--mistake", kind], env) for kind in mistakes], tmp_path,
-                         preload=("torch", "xscale"))
+                         preload=(*TRAINING_IMPORTS, "xscale"))
     for (kind, words), result in zip(mistakes.items(), results, strict=True):
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2, (kind, result.stderr[-2000:])

@@ -15,7 +15,13 @@ from xscale.observe import bounds, steptime
 from tests.conftest import ENDED, REPO, VENV_BIN, tool_env
 from tests.fixtures.imagefolder import write_imagefolder
 from tests.fixtures.mnist_idx import write_mnist
-from tests.helpers import check_step_time, results_of, run_two_ranks, tagged_records
+from tests.helpers import (
+    TRAINING_IMPORTS,
+    check_step_time,
+    results_of,
+    run_two_ranks,
+    tagged_records,
+)
 from tests.test_jobs import WAIT_S
 
 PROGRAM = (REPO / "tests" / "programs" / "two_ranks_steptime.py").read_text()
@@ -83,8 +89,8 @@ def test_a_clock_leaves_the_warm_up_out_and_books_data_and_checkpoint_waits():
 def test_two_ddp_ranks_measure_every_part_and_slow_reads_are_data_bound(tmp_path, delay_s,
                                                                       bound):
     # A peak as a CPU might have: the MFU is then low, and the verdict says why.
-    runs = run_two_ranks(tmp_path, PROGRAM, str(tmp_path / "out"), DATA_DELAY_S=delay_s,
-                         XSCALE_PEAK_TFLOPS="2")
+    runs = run_two_ranks(tmp_path, PROGRAM, str(tmp_path / "out"), preload=TRAINING_IMPORTS,
+                         DATA_DELAY_S=delay_s, XSCALE_PEAK_TFLOPS="2")
     for record in results_of(runs):
         parts = record["breakdown"]
         assert parts["compute"] > 0 and parts["communication"] is not None, parts

@@ -20,6 +20,8 @@ from tests.conftest import torch_extensions
 from tests.fixtures.imagefolder import write_imagefolder, write_tar
 from tests.fixtures.mnist_idx import write_mnist
 from tests.helpers import (
+    TRAINING_IMPORTS,
+    ForkedRanks,
     block_placed,
     rank_records,
     run_forked,
@@ -78,43 +80,42 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_ranks(world: int, *args: str, extra: dict[str, str] | None = None) -> list:
-    """`world` ranks on this machine with torchrun's variables set by hand."""
+# What a rank of these trainers imports before its first step, once for all of a test's ranks.
+TRAINER_IMPORTS = (*TRAINING_IMPORTS, "torchvision")
+
+
+def start_ranks(world: int, *args: str, extra: dict[str, str] | None = None) -> ForkedRanks:
+    """`world` ranks on this machine with torchrun's variables set by hand, as forks of one
+    interpreter that imported TRAINER_IMPORTS (tests/helpers.ForkedRanks): the trainer's work
+    is seconds, its imports as many. The ranks through srun, run.sh and a fresh interpreter each
+    are the cluster tests below."""
     port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = clean_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                        LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", NNODES="1",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(extra or {}))
-        procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+    commands = [([*args], clean_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                    LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", NNODES="1",
+                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(extra or {})))
+                for rank in range(world)]
+    return ForkedRanks(commands, REPO, TRAINER_IMPORTS, env=clean_env())
 
 
-def finish(procs: list, timeout: float = 300) -> tuple[list[int], str, str]:
-    outs, errs, codes = [], [], []
-    for proc in procs:
-        out, err = proc.communicate(timeout=timeout)
-        codes.append(proc.returncode)
-        outs.append(out)
-        errs.append(err)
-    return codes, "".join(outs), "".join(errs)
+def finish(ranks: ForkedRanks, timeout: float = 300) -> tuple[list[int], str, str]:
+    results = ranks.results(timeout)
+    return ([result.returncode for result in results], "".join(r.stdout for r in results),
+            "".join(r.stderr for r in results))
 
 
-def wait_for_file(folder: Path, pattern: str, procs: list, timeout: float) -> None:
+def wait_for_file(folder: Path, pattern: str, ranks: ForkedRanks, timeout: float) -> None:
     """A file matching PATTERN appears in FOLDER while every rank runs; else the ranks are
     stopped and their output shown."""
     def found_or_ended() -> bool:
-        return any(folder.glob(pattern)) or any(proc.poll() is not None for proc in procs)
+        return any(folder.glob(pattern)) or not ranks.all_running()
 
     try:
         wait_for(found_or_ended, timeout, pattern, every=0.1)
     except AssertionError:
         pass  # said below, with the ranks' output
     if not any(folder.glob(pattern)):
-        for proc in procs:
-            proc.kill()
-        codes, stdout, stderr = finish(procs, timeout=60)
+        ranks.kill()
+        codes, stdout, stderr = finish(ranks, timeout=60)
         raise AssertionError(f"no {pattern} (exit codes {codes}):\n{stdout[-3000:]}\n"
                              f"{stderr[-5000:]}")
 
@@ -267,13 +268,13 @@ def test_mnist_resume_continues_exactly_where_it_stopped(mnist_dir, mnist_straig
 def test_a_stop_signal_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(mnist_dir,
                                                                                 tmp_path):
     out = tmp_path / "out"
-    procs = start_ranks(2, MNIST, "--data", str(mnist_dir), *MNIST_TINY, "--max-steps",
+    ranks = start_ranks(2, MNIST, "--data", str(mnist_dir), *MNIST_TINY, "--max-steps",
                         "100000", "--checkpoint-every", "2", "--output-dir", str(out))
     # Training is under way: a checkpoint, whichever (at 80 steps/s, --keep-checkpoints 3
     # removes ckpt-000002.pt within 0.1 s, quicker than a poll may see it).
-    wait_for_file(out, "ckpt-*.pt", procs, 120)
-    procs[1].send_signal(signal.SIGUSR1)  # Slurm's warning, to one rank only
-    codes, stdout, stderr = finish(procs, timeout=120)
+    wait_for_file(out, "ckpt-*.pt", ranks, 120)
+    os.kill(ranks.pids[1], signal.SIGUSR1)  # Slurm's warning, to one rank only
+    codes, stdout, stderr = finish(ranks, timeout=120)
     assert codes == [0, 0], stderr
     record = summary(stdout)
     assert record["stopped_early"] is True

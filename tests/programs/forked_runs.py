@@ -7,9 +7,14 @@ first on sys.path). Only the interpreter's start and the preloaded imports are s
 of user errors run a dozen command lines whose own work takes a fraction of a second after
 seconds of `import torch`.
 
-usage: forked_runs.py MODULE... < runs.json > results.json
+With --together, every command line starts at once and the tool prints their process ids as
+the first line of its output, before it waits: the ranks of one job, which talk to each other
+and which a test may signal. The ranks of the host-only training tests pay `import torch` once so.
+
+usage: forked_runs.py [--together] MODULE... < runs.json > results.json
   runs.json: [{"argv": [SCRIPT, ARG...], "env": {NAME: VALUE}, "cwd": DIR}, ...]
   results.json: [{"returncode": N, "stdout": TEXT, "stderr": TEXT}, ...] in the same order
+                (with --together, after a line [PID, ...])
 """
 
 from __future__ import annotations
@@ -23,17 +28,32 @@ import tempfile
 import traceback
 
 
-def run_forked(argv: list[str], env: dict[str, str], cwd: str, folder: str) -> dict:
-    out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+def start(run: dict, output: str) -> int:
+    """Fork the child that runs RUN, its output in OUTPUT.stdout and OUTPUT.stderr; its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        os._exit(run_as_main(argv, env, cwd, out, err))
-    _, status = os.waitpid(pid, 0)
-    with open(out) as stdout, open(err) as stderr:
+        os._exit(run_as_main(run["argv"], run["env"], run["cwd"], f"{output}.stdout",
+                             f"{output}.stderr"))
+    return pid
+
+
+def result(status: int, output: str) -> dict:
+    """An ended child's exit status (os.wait's) and output."""
+    with open(f"{output}.stdout") as stdout, open(f"{output}.stderr") as stderr:
         return {"returncode": os.waitstatus_to_exitcode(status), "stdout": stdout.read(),
                 "stderr": stderr.read()}
+
+
+def reap_all(pids: list[int]) -> dict[int, int]:
+    """Each child's wait status, reaped as it ends, whatever the order: a rank that dies is gone
+    at once, as under srun, rather than a zombie that still answers kill(pid, 0)."""
+    statuses: dict[int, int] = {}
+    while len(statuses) < len(pids):
+        pid, status = os.wait()
+        statuses[pid] = status
+    return statuses
 
 
 def run_as_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> int:
@@ -63,12 +83,23 @@ def run_as_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: s
 
 
 def main() -> int:
-    for name in sys.argv[1:]:
+    together = sys.argv[1:2] == ["--together"]
+    for name in sys.argv[1 + together:]:
         importlib.import_module(name)
     runs = json.load(sys.stdin)
     with tempfile.TemporaryDirectory() as folder:
-        results = [run_forked(run["argv"], run["env"], run["cwd"], folder) for run in runs]
-    json.dump(results, sys.stdout)
+        runs_and_outputs = [(run, os.path.join(folder, str(index)))
+                            for index, run in enumerate(runs)]
+        if together:
+            pids = [start(run, output) for run, output in runs_and_outputs]
+            print(json.dumps(pids), flush=True)
+            statuses = reap_all(pids)
+            ended = [result(statuses[pid], output)
+                     for pid, (_, output) in zip(pids, runs_and_outputs, strict=True)]
+        else:  # one after another
+            ended = [result(os.waitpid(start(run, output), 0)[1], output)
+                     for run, output in runs_and_outputs]
+    json.dump(ended, sys.stdout)
     return 0
 
 
