@@ -277,9 +277,11 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_lost_node(cluster, tmp
     text = output.read_text()
     assert state == "COMPLETED" and job_fields(job_id)["Restarts"] == "0", text[-4000:]
     leaves = [line for line in text.splitlines() if "every rank leaves" in line]
-    assert len(leaves) == 1 and frozen in leaves[0], leaves
-    if fault == "freeze":
+    assert len(leaves) == 1, leaves
+    if fault == "freeze":  # only its silence tells
         assert f"on {frozen} sent nothing for 6 s" in leaves[0], leaves
+    else:  # whichever comes first: its rank's link closing, or a survivor's collective failing
+        assert frozen in leaves[0] or "collective failed" in leaves[0], leaves
     assert f"xscale: live recovery: {nodes[3]} in place of {frozen}" in text
     assert all(after[rank] == before[rank] for rank in (0, 2)), (before, after)
     # A healthy run of short steps names nobody, the replacement that just joined included.
