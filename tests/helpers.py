@@ -281,14 +281,25 @@ def run_forked(commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
     for many short command lines whose own work is a fraction of `import torch`. ENV is that
     interpreter's: where a preloaded library reads a variable when imported (the Hugging Face
     libraries read HF_HOME), it must hold the value every command line has."""
-    runs = [{"argv": argv, "env": run_env, "cwd": str(cwd)} for argv, run_env in commands]
-    proc = subprocess.run([sys.executable, str(FORKED_RUNS), *preload], input=json.dumps(runs),
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    proc = subprocess.run([sys.executable, str(FORKED_RUNS), *preload],
+                          input=forked_runs_input(commands, cwd), cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return forked_runs_results(commands, proc.stdout)
+
+
+def forked_runs_input(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> str:
+    """forked_runs.py's runs.json for (ARGV, ENV) COMMANDS run in CWD."""
+    return json.dumps([{"argv": argv, "env": run_env, "cwd": str(cwd)}
+                       for argv, run_env in commands])
+
+
+def forked_runs_results(commands: list[tuple[list[str], dict[str, str]]],
+                        output: str) -> list[subprocess.CompletedProcess[str]]:
+    """forked_runs.py's results.json (OUTPUT), one CompletedProcess per command."""
     return [subprocess.CompletedProcess(argv, result["returncode"], result["stdout"],
                                         result["stderr"])
-            for (argv, _), result in zip(commands, json.loads(proc.stdout), strict=True)]
+            for (argv, _), result in zip(commands, json.loads(output), strict=True)]
 
 
 class ForkedRanks:
@@ -299,12 +310,11 @@ class ForkedRanks:
 
     def __init__(self, commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
                  preload: tuple[str, ...], env: dict[str, str]):
-        self.argvs = [argv for argv, _ in commands]
-        runs = [{"argv": argv, "env": run_env, "cwd": str(cwd)} for argv, run_env in commands]
+        self.commands = commands
         self._tool = subprocess.Popen([sys.executable, str(FORKED_RUNS), "--together", *preload],
                                       cwd=cwd, env=env, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self._tool.stdin.write(json.dumps(runs))
+        self._tool.stdin.write(forked_runs_input(commands, cwd))
         self._tool.stdin.close()
         self._tool.stdin = None  # written whole: communicate() below only reads
         first = self._tool.stdout.readline()
@@ -338,6 +348,4 @@ class ForkedRanks:
             self.kill()
             out, err = self._tool.communicate(timeout=60)
         assert self._tool.returncode == 0, err[-4000:]
-        return [subprocess.CompletedProcess(argv, result["returncode"], result["stdout"],
-                                            result["stderr"])
-                for argv, result in zip(self.argvs, json.loads(out), strict=True)]
+        return forked_runs_results(self.commands, out)
