@@ -33,7 +33,7 @@ CLUSTER_DIR = REPO / "tests" / "cluster"
 CLUSTER_STATE = Path(os.environ.get("XSCALE_CLUSTER_STATE", "/run/xscale-cluster"))
 NODES = ("nid001", "nid002", "nid003", "nid004")
 # The cluster tests run in two lanes at once (pytest_collection_modifyitems): the second on
-# nid003-nid004 through this (hidden) partition that cluster-up defines, the first on every node.
+# nid003-nid004 through this partition that cluster-up defines, the first on every node.
 SECOND_PAIR = ("nid003", "nid004")
 SECOND_PAIR_PARTITION = "pair2"
 SECOND_PAIR_LOCK = REPO / "build" / "cluster-second-pair.lock"
@@ -142,10 +142,8 @@ class Cluster:
                 out, err = proc.communicate(timeout=60)
                 raise AssertionError(f"srun ended before it was ready (status {proc.returncode})"
                                      f":\n{out[-3000:]}{err[-3000:]}")
-            # --all: a job in a hidden partition (SECOND_PAIR_PARTITION) is listed only then.
-            job_id = subprocess.run(["squeue", "--all", "-h", "-n", name, "-o", "%i"],
-                                    capture_output=True, text=True, timeout=30,
-                                    check=True).stdout.strip()
+            job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True,
+                                    text=True, timeout=30, check=True).stdout.strip()
             assert job_id.isdigit(), f"no job named {name} in squeue: {job_id!r}"
             subprocess.run(["scancel", f"--signal={signal_name}", f"{job_id}.0"], check=True,
                            timeout=30)
@@ -294,7 +292,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
             item.add_marker(pytest.mark.xdist_group(lane_of(item)))
+        elif uses_a_module_fixture(item):
+            # One worker builds it: each worker that ran one of the module's tests built its
+            # own (the trainers' error runs, the uninterrupted mnist run: tens of CPU seconds).
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
     items.sort(key=run_order)  # stable
+
+
+def uses_a_module_fixture(item: pytest.Item) -> bool:
+    fixtures = getattr(item, "_fixtureinfo", None)
+    return fixtures is not None and any(
+        definition.scope == "module"
+        for definitions in fixtures.name2fixturedefs.values() for definition in definitions)
 
 
 def lane_of(item: pytest.Item) -> str:

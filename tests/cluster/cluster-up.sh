@@ -147,9 +147,9 @@ JobAcctGatherType=jobacct_gather/none
 JobRequeue=1
 KillWait=5
 ${nodes_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-# The last two nodes alone, for the tests' second lane (tests/conftest.py): hidden, so sinfo and
-# squeue show what they show on a one-partition cluster unless asked with --all.
-PartitionName=pair2 Nodes=$(IFS=,; echo "${XSC_NODES[*]:2:2}") Hidden=YES MaxTime=INFINITE State=UP
+# The last two nodes alone, for the tests' second lane (tests/conftest.py). So sinfo -N lists
+# them once per partition, as it lists a LUMI node that several partitions share.
+PartitionName=pair2 Nodes=$(IFS=,; echo "${XSC_NODES[*]:2:2}") MaxTime=INFINITE State=UP
 EOF
   printf 'NodeName=%s Name=gpu File=/dev/fakegpu[0-3]\n' "${XSC_NODES[@]}" >"$XSC_CONF_DIR/gres.conf"
   if cmp -s "$XSC_CONF_DIR/slurm.conf.new" "$XSC_CONF_DIR/slurm.conf"; then
