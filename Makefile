@@ -49,10 +49,10 @@ lint: setup
 	$(VENV)/bin/ruff check python tests runscripts jobs $(PYTHON_SCRIPTS)
 
 # One pytest run for everything (the bats suites run from tests/test_bats.py), so CI reads one
-# closing line. Three workers: the cluster tests in two lanes, each lane in order in a worker of
-# its own (tests/conftest.py groups them), the host-only tests in the third.
+# closing line. Two workers: the cluster tests in one, in order (tests/conftest.py groups them),
+# the host-only tests in the other.
 test: lint
-	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 unit: setup
 	$(PY) -m pytest -q tests -m "not cluster"

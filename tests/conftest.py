@@ -7,15 +7,13 @@ hand-set SLURM_* variables only test our assumptions.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +30,6 @@ IN_CI = os.environ.get("CI") == "true"
 CLUSTER_DIR = REPO / "tests" / "cluster"
 CLUSTER_STATE = Path(os.environ.get("XSCALE_CLUSTER_STATE", "/run/xscale-cluster"))
 NODES = ("nid001", "nid002", "nid003", "nid004")
-# The cluster tests run in two lanes at once (pytest_collection_modifyitems): the second on
-# nid003-nid004 through this partition that cluster-up defines, the first on every node.
-SECOND_PAIR = ("nid003", "nid004")
-SECOND_PAIR_PARTITION = "pair2"
-SECOND_PAIR_LOCK = REPO / "build" / "cluster-second-pair.lock"
-CLUSTER_UP_LOCK = REPO / "build" / "cluster-up.lock"
 # Where a job can end up.
 ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
@@ -80,16 +72,9 @@ class Job:
 
 
 class Cluster:
-    """Runs srun/sbatch against the virtual cluster from the repository root: on every node, or
-    in one partition (srun and sbatch read it from SLURM_PARTITION and SBATCH_PARTITION)."""
+    """Runs srun/sbatch against the virtual cluster from the repository root."""
 
-    def __init__(self, nodes: tuple[str, ...] = NODES, partition: str | None = None):
-        self.nodes = nodes
-        self.partition_env = {"SLURM_PARTITION": partition, "SBATCH_PARTITION": partition} \
-            if partition else {}
-
-    def env(self, extra: dict[str, str] | None) -> dict[str, str]:
-        return tool_env({**self.partition_env, **(extra or {})})
+    nodes = NODES
 
     @staticmethod
     def node_tmp(node: str) -> Path:
@@ -119,7 +104,7 @@ class Cluster:
         return subprocess.run(
             ["srun", *args],
             cwd=REPO,
-            env=self.env(env),
+            env=tool_env(env),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -134,7 +119,7 @@ class Cluster:
         the whole step as Slurm's --signal and scancel do (`scancel --signal=USR1 JOB.0`: every
         process of every task, DataLoader workers included); then wait for the end."""
         name = f"xscale-signalled-{os.getpid()}-{time.monotonic_ns()}"
-        proc = subprocess.Popen(["srun", "-J", name, *args], cwd=REPO, env=self.env(env),
+        proc = subprocess.Popen(["srun", "-J", name, *args], cwd=REPO, env=tool_env(env),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             wait_for(lambda: ready() or proc.poll() is not None, timeout, "training under way")
@@ -169,7 +154,7 @@ class Cluster:
         proc = subprocess.run(
             ["sbatch", "--parsable", *out_opts, *sbatch_options, str(script), *args],
             cwd=cwd,
-            env=self.env(env),
+            env=tool_env(env),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -231,102 +216,49 @@ def _skip_or_fail(reason: str) -> None:
     pytest.skip(f"virtual cluster unavailable: {reason}")
 
 
-@contextmanager
-def held(lock: Path) -> Iterator[None]:
-    """LOCK held (flock) against the other pytest workers for the block."""
-    lock.parent.mkdir(exist_ok=True)
-    with lock.open("w") as file:
-        fcntl.flock(file, fcntl.LOCK_EX)  # released as the file closes
-        yield
-
-
 @pytest.fixture(scope="session")
-def cluster_up() -> None:
+def cluster() -> Cluster:
     """The virtual Slurm cluster (nid001-nid004), started if it is not running yet."""
     if os.geteuid() != 0:
         _skip_or_fail("it needs root (slurmd, munged); run the tests as root or in CI")
     if not shutil.which("slurmctld"):
         _skip_or_fail("slurm-wlm is not installed; run 'make setup'")
-    with held(CLUSTER_UP_LOCK):  # the two lanes' workers start at once
-        up = subprocess.run(
-            ["bash", str(CLUSTER_DIR / "cluster-up.sh")],
-            capture_output=True, text=True, timeout=180, check=False,
-        )
+    up = subprocess.run(
+        ["bash", str(CLUSTER_DIR / "cluster-up.sh")],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
     if up.returncode != 0:
         last_line = up.stderr.strip().splitlines()[-1:] or ["cluster-up failed"]
         _skip_or_fail(last_line[0])
-
-
-@pytest.fixture
-def cluster(request: pytest.FixtureRequest, cluster_up: None) -> Iterator[Cluster]:
-    """The virtual cluster as the test's lane sees it. A `first_pair` test keeps to nid001-nid002
-    and runs while the second lane uses nid003-nid004; a `second_pair` test gets those two
-    through their partition; any other cluster test may use every node, so it waits until the
-    second lane's test of the moment has ended, and the second lane waits for it."""
-    if request.node.get_closest_marker("first_pair"):
-        yield Cluster()
-        return
-    with held(SECOND_PAIR_LOCK):
-        if request.node.get_closest_marker("second_pair"):
-            yield Cluster(SECOND_PAIR, SECOND_PAIR_PARTITION)
-        else:
-            yield Cluster()
+    return Cluster()
 
 
 # Before xdist's own hook, which reads the xdist_group marks.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that uses the cluster, so `make unit` can leave them out, and put them in
-    two lanes, an xdist group each: the tests break nodes on purpose, so under `pytest -n 3
-    --dist loadgroup` (make test) each lane runs its tests one after another in one worker,
-    beside the other lane, while the third worker runs the host-only tests in the time the
-    cluster tests wait for Slurm. The second lane is the tests marked `second_pair` (nid003 and
-    nid004 only); the first lane is every other one, those marked `first_pair` (nid001 and
-    nid002 only) first: they run beside the second lane, the rest take turns with it (the
-    `cluster` fixture).
+    one xdist group: they share four nodes and break them on purpose, so under `pytest -n 2
+    --dist loadgroup` (make test) they run one after another in one worker, while the other
+    worker runs the host-only tests in the time the cluster tests wait for Slurm.
 
-    The cluster tests come first: their lanes are the suite's longest paths, and xdist hands out
-    work in collection order, so they start at once rather than after the host-only tests
+    The cluster tests come first: their one group is the suite's longest path, and xdist hands
+    out work in collection order, so it starts at once rather than after the host-only tests
     whose files sort before the first cluster test (docs/TESTBED.md, "What a test costs")."""
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
-            item.add_marker(pytest.mark.xdist_group(lane_of(item)))
-        elif uses_a_module_fixture(item):
-            # One worker builds it: each worker that ran one of the module's tests built its
-            # own (the trainers' error runs, the uninterrupted mnist run: tens of CPU seconds).
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
-    items.sort(key=run_order)  # stable
-
-
-def uses_a_module_fixture(item: pytest.Item) -> bool:
-    fixtures = getattr(item, "_fixtureinfo", None)
-    return fixtures is not None and any(
-        definition.scope == "module"
-        for definitions in fixtures.name2fixturedefs.values() for definition in definitions)
-
-
-def lane_of(item: pytest.Item) -> str:
-    return "cluster-second-pair" if item.get_closest_marker("second_pair") else "cluster"
-
-
-def run_order(item: pytest.Item) -> int:
-    """First-pair tests, then the second lane, then the rest of the first, then host-only."""
-    if item.get_closest_marker("cluster") is None:
-        return 3
-    if item.get_closest_marker("first_pair"):
-        return 0
-    return 1 if item.get_closest_marker("second_pair") else 2
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+    items.sort(key=lambda item: item.get_closest_marker("cluster") is None)  # stable
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Under --dist loadgroup, stop before the first test if xdist left a cluster test out of
-    its lane (it marks the group in the node id, which pytest 9.2 no longer lets it change:
+    the group (it marks the group in the node id, which pytest 9.2 no longer lets it change:
     constraints.txt): two workers would then break each other's nodes."""
     if not getattr(session.config.option, "loadgroup", False):
         return
-    loose = [item.nodeid for item in session.items if item.get_closest_marker("cluster")
-             and not item.nodeid.endswith("@" + lane_of(item))]
+    loose = [item.nodeid for item in session.items
+             if item.get_closest_marker("cluster") and not item.nodeid.endswith("@cluster")]
     if loose:
         raise pytest.UsageError(f"pytest-xdist did not group the cluster tests ({loose[0]}); "
                                 "see constraints.txt on the pytest version")
@@ -337,10 +269,8 @@ HOST_ONLY_NICENESS = 10
 # sessions first and applies a process's nice only inside its own session (sched(7)). The ranks
 # of each virtual node run in a session of their own (slurmstepd's), pytest's workers in the one
 # they were started from: a niced host-only test there would still take a third of the cores
-# from two nodes' ranks. So the session's own nice goes to SESSION_NICENESS for the run, and
-# back after. Not to 10: with both cluster lanes training, a session at 10 got about 5% of a
-# core, and a host-only test's `import torch` (3.5 CPU-s) outlasted its 60 s deadline.
-SESSION_NICENESS = 5
+# from two nodes' ranks. So the session's own nice goes to HOST_ONLY_NICENESS for the run, and
+# back after.
 AUTOGROUP = Path("/proc/self/autogroup")
 SESSION_NICE = pytest.StashKey[int | None]()  # the session's nice before the run
 
@@ -368,7 +298,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         config.stash[SESSION_NICE] = autogroup_nice()
         if config.stash[SESSION_NICE] is not None:
-            set_autogroup_nice(max(SESSION_NICENESS, config.stash[SESSION_NICE]))
+            set_autogroup_nice(max(HOST_ONLY_NICENESS, config.stash[SESSION_NICE]))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -391,20 +321,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(model dir, dataset dir) of the tiny offline GPT-neo and IMDB built in code, once per
-    run: every Hugging Face test reads the same pair. Under xdist the first worker that needs it
-    builds it in the directory the workers' temporary directories share; the others wait and
-    read it, without importing transformers to build it again."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent
-    outdir, built = shared / "tiny_gpt_neo", shared / "tiny_gpt_neo.built"
-    with held(shared / "tiny_gpt_neo.lock"):
-        if not built.exists():
-            from tests.fixtures.tiny_gpt_neo import build
+    pytest worker: every Hugging Face test reads the same pair."""
+    from tests.fixtures.tiny_gpt_neo import build
 
-            build(outdir)
-            built.touch()
-    return outdir / "model", outdir / "imdb"
+    return build(tmp_path_factory.mktemp("tiny_gpt_neo"))
 
 
 @pytest.fixture

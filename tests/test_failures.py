@@ -39,8 +39,6 @@ def job_script(tmp_path: Path, name: str, body: str) -> Path:
 
 
 MNIST_JOB = REPO / "jobs" / "local" / "mnist.sbatch"
-# Where a `first_pair` test's job runs (tests/conftest.py).
-FIRST_PAIR = "--nodelist=nid[001-002]"
 # How long a test waits for a job to end: a deadline so that a broken path fails the test instead
 # of hanging it, never a claim about speed (the times are printed; docs/FAILURES.md has them).
 END_WAIT_S = 120
@@ -101,7 +99,6 @@ def time_to_end(cluster, job_id: str, since: float) -> tuple[str, float]:
     return state, time.monotonic() - since
 
 
-@pytest.mark.first_pair
 def test_a_network_partition_fails_the_job_and_names_the_cut_off_node(cluster, mnist_data,
                                                                       tmp_path):
     """nid002's hsn0 goes down mid-training (a dead Slingshot link): the rank on nid001 gives up
@@ -112,7 +109,7 @@ def test_a_network_partition_fails_the_job_and_names_the_cut_off_node(cluster, m
     timeout_s = 15
     job_id, output = start_endless_training(
         cluster, mnist_data, tmp_path, XSCALE_TIMEOUT_S=str(timeout_s),
-        sbatch_options=(FIRST_PAIR, "--ntasks-per-node=1"))
+        sbatch_options=("--nodelist=nid[001-002]", "--ntasks-per-node=1"))
     try:
         assert {env["SLURMD_NODENAME"] for env in job_processes(job_id).values()
                 if env.get("RANK") == "1"} == {"nid002"}
@@ -162,7 +159,6 @@ def bring_time_limit_near(job_id: str, warn_s: int) -> None:
                    check=True, timeout=30)
 
 
-@pytest.mark.first_pair
 def test_time_limit_stops_saves_requeues_and_resumes(cluster, mnist_data, tmp_path):
     """The whole path with Slurm's real --signal: USR1 to the batch shell, forwarded to the ranks,
     a checkpoint at the step they stop at, `scontrol requeue`, and a second run that resumes
@@ -173,8 +169,7 @@ def test_time_limit_stops_saves_requeues_and_resumes(cluster, mnist_data, tmp_pa
            "EPOCHS": "100000", "CHECKPOINT_EVERY": str(every), **SLOW_STORAGE}
     # The template warns 60 s ahead; 100 leaves room for slurmctld's 30 s checking period below.
     job_id = cluster.submit(MNIST_JOB, env=env, output=output,
-                            sbatch_options=(f"--chdir={REPO}", FIRST_PAIR,
-                                            f"--signal=B:USR1@{warn_s}"))
+                            sbatch_options=(f"--chdir={REPO}", f"--signal=B:USR1@{warn_s}"))
     try:
         # The warning comes while a checkpoint is being written in the background.
         wait_for(lambda: writes_under_way(out_dir), 240, "a checkpoint being written")
@@ -230,7 +225,6 @@ def writes_under_way(out_dir: Path) -> list[str]:
     return sorted(path.name for path in out_dir.glob(".ckpt-*.tmp"))
 
 
-@pytest.mark.first_pair
 def test_a_killed_rank_ends_the_job_fast_and_its_torn_write_is_passed_over_on_resume(
         cluster, mnist_data, tmp_path):
     """kill -9 of rank 1 (2 nodes x 1) while rank 0's background write of a checkpoint is
@@ -242,7 +236,7 @@ def test_a_killed_rank_ends_the_job_fast_and_its_torn_write_is_passed_over_on_re
     env = {"DATA": str(mnist_data), "OUTPUT_DIR": str(out_dir), "MAX_STEPS": "100000",
            "EPOCHS": "100000", "CHECKPOINT_EVERY": "10", "XSCALE_TIMEOUT_S": "3600",
            **SLOW_STORAGE}
-    one_per_node = (f"--chdir={REPO}", FIRST_PAIR, "--ntasks-per-node=1")
+    one_per_node = (f"--chdir={REPO}", "--ntasks-per-node=1")
     job_id = cluster.submit(MNIST_JOB, env=env, output=output, sbatch_options=one_per_node)
     try:
         wait_for(lambda: any(out_dir.glob("ckpt-*.pt")) and writes_under_way(out_dir),
@@ -433,7 +427,6 @@ def crashing(cluster, job_id: str):
             cluster.fault("heal", node)
 
 
-@pytest.mark.first_pair
 def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mnist_data,
                                                                    tmp_path):
     """Rank 3 on nid002 frozen (SIGSTOP: a stuck GPU, a node swapping) mid-training, as a LUMI
@@ -447,7 +440,7 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
                           XSCALE_TIMEOUT_S=str(timeout_s))
     job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", "4", "--epochs", "100000",
                             env=job_env, output=output,
-                            sbatch_options=(*VIRTUAL, "--nodes=2", FIRST_PAIR))
+                            sbatch_options=(*VIRTUAL, "--nodes=2", "--nodelist=nid[001-002]"))
     try:
         wait_for(lambda: any(out_dir.glob("ckpt-*.pt")), 240, "training to be under way")
         victim = rank_pid(job_id, 3)

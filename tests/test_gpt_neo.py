@@ -126,7 +126,6 @@ SIGNAL_DAMAGE = ("killed by signal", "exited unexpectedly", "Traceback", "leaked
                  "KeyError")
 
 
-@pytest.mark.second_pair
 def test_four_ranks_on_two_nodes_stop_on_usr1_to_the_step_and_resume(cluster, tiny,
                                                                       tmp_path: Path):
     """The LUMI templates' path: a DataLoader worker per rank (spawned, as on GPUs; one, not the
@@ -391,7 +390,6 @@ def test_save_steps_auto_starts_from_the_interval_its_checkpoint_was_saved_with(
 WORKSHOP_SCRIPT = "tests/programs/workshop_gpt_neo.py"
 
 
-@pytest.mark.second_pair
 def test_a_workshop_script_on_transformers_4x_api_trains_unchanged_on_two_nodes(cluster, tiny,
                                                                                  tmp_path: Path):
     """A script written as the LUMI AI workshop writes its GPT-neo fine-tuning, for the images

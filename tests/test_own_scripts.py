@@ -32,7 +32,6 @@ def in_container(*command: str) -> list[str]:
     return ["singularity", "exec", IMAGE, "/runscripts/run.sh", *command]
 
 
-@pytest.mark.first_pair
 def test_a_plain_ddp_script_of_ones_own_runs_as_a_job(cluster, tmp_path: Path):
     """2 nodes x 2 ranks under --cpu-bind=none (the local templates' binding), the script's own
     `--dist-url`, DataLoader workers, the supervisor around the step: every rank trains with one
@@ -40,7 +39,6 @@ def test_a_plain_ddp_script_of_ones_own_runs_as_a_job(cluster, tmp_path: Path):
     run.sh's, and the job ends with what the supervisor knows without progress notes."""
     output = tmp_path / "job.out"
     job = cluster.sbatch(JOB, OWN_DDP, "--workers", "1", output=output,
-                         sbatch_options=("--nodelist=nid[001-002]",),
                          env={"OUTPUT_DIR": str(tmp_path / "out")})
     assert job.state == "COMPLETED", (job.state, job.output[-4000:])
     ranks = sorted(tagged_records(job.output, "RESULT"), key=lambda r: r["rank"])
@@ -209,7 +207,6 @@ def healed_nid002(cluster):
     cluster.fault("heal", "nid002")
 
 
-@pytest.mark.first_pair
 def test_a_plain_ddp_script_with_xscales_lines_stops_resumes_and_names_a_straggler(
         cluster, healed_nid002, tmp_path: Path):
     out, output = tmp_path / "out", tmp_path / "job.out"
@@ -221,7 +218,6 @@ def test_a_plain_ddp_script_with_xscales_lines_stops_resumes_and_names_a_straggl
     check_stopped_and_resumed(output, out, steps, "2 on nid002")
 
 
-@pytest.mark.first_pair
 def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler(
         cluster, healed_nid002, tiny, tmp_path: Path):  # noqa: F811
     model, data = tiny

@@ -13,8 +13,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import CLUSTER_DIR, CLUSTER_STATE, NODES, REPO
 from tests.helpers import rank_records, wait_for
 
@@ -37,7 +35,6 @@ def sinfo_state(node: str) -> str:
                           text=True, timeout=30, check=True).stdout.strip()
 
 
-@pytest.mark.second_pair
 def test_ranks_on_two_nodes_see_two_separate_machines(cluster):
     proc = cluster.srun("-N2", "-n4", "--cpu-bind=none",
                         *in_container("python", ALLREDUCE, "--mark-tmp"))
@@ -69,7 +66,6 @@ def test_ranks_on_two_nodes_see_two_separate_machines(cluster):
             mark.unlink()
 
 
-@pytest.mark.second_pair
 def test_lumi_profile_binds_gloo_to_hsn0_and_a_missing_interface_fails_fast(cluster):
     good = cluster.srun("-N2", "-n2", *in_container("python", ALLREDUCE),
                         env={"XSCALE_SITE": "lumi", "GLOO_SOCKET_IFNAME": "hsn0"})
@@ -127,7 +123,6 @@ def seconds_to_read(cluster, node: str, path: Path) -> float:
     return float(proc.stdout)
 
 
-@pytest.mark.second_pair
 def test_fault_helpers_break_one_node_and_heal_restores_it(cluster, tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -356,7 +356,6 @@ def srun_stopped(cluster, marker: Path, *command: str, env: dict[str, str] | Non
     return cluster.srun_signalled(*srun_args(*command), ready=marker.exists, env=env)
 
 
-@pytest.mark.second_pair
 def test_mnist_on_two_nodes_stops_on_usr1_to_the_step_and_resumes(cluster, mnist_dir, tmp_path):
     """The time-limit path as Slurm drives it, with 2 DataLoader workers per rank: USR1 to
     every process of the step; all ranks stop at one step, save it, exit 0; the next run
@@ -409,7 +408,6 @@ def srun_one_rank_per_node(cluster, *command: str, env: dict[str, str]) -> dict:
     return {**record, "digests": digests(proc.stdout)}
 
 
-@pytest.mark.second_pair
 def test_mnist_on_two_nodes_with_every_rank_writing_resumes_bit_for_bit(cluster, mnist_dir,
                                                                          tmp_path):
     """XSCALE_CHECKPOINT_WRITERS=all, a rank on each of 2 nodes: both write their part of
@@ -437,7 +435,6 @@ def test_mnist_on_two_nodes_with_every_rank_writing_resumes_bit_for_bit(cluster,
     assert resumed["digests"] == straight["digests"]
 
 
-@pytest.mark.second_pair
 def test_imagenet_on_two_nodes_with_the_seed_command_line_stops_then_resumes(cluster, images,
                                                                              tmp_path):
     folder, tarball = images
@@ -470,7 +467,6 @@ def test_imagenet_on_two_nodes_with_the_seed_command_line_stops_then_resumes(clu
             shutil.rmtree(staged_root)
 
 
-@pytest.mark.second_pair
 def test_imagenet_deepspeed_on_two_nodes_stops_on_usr1_and_resumes(cluster, images, tmp_path):
     """DeepSpeed ZeRO-1 on 2 nodes x 2: USR1 to the step stops every rank at one step with its
     checkpoint; then jobs/lumi/imagenet-deepspeed.sbatch, as a requeued job of it would, resumes

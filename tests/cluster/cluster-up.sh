@@ -147,20 +147,9 @@ JobAcctGatherType=jobacct_gather/none
 JobRequeue=1
 KillWait=5
 ${nodes_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-# The last two nodes alone, for the tests' second lane (tests/conftest.py). So sinfo -N lists
-# them once per partition, as it lists a LUMI node that several partitions share.
-PartitionName=pair2 Nodes=$(IFS=,; echo "${XSC_NODES[*]:2:2}") MaxTime=INFINITE State=UP
 EOF
   printf 'NodeName=%s Name=gpu File=/dev/fakegpu[0-3]\n' "${XSC_NODES[@]}" >"$XSC_CONF_DIR/gres.conf"
-  if cmp -s "$XSC_CONF_DIR/slurm.conf.new" "$XSC_CONF_DIR/slurm.conf"; then
-    rm "$XSC_CONF_DIR/slurm.conf.new"
-    return 0
-  fi
   mv "$XSC_CONF_DIR/slurm.conf.new" "$XSC_CONF_DIR/slurm.conf"
-  # A cluster still running from an older file: its daemons read the new one.
-  if xsc_alive "$XSC_STATE/slurmctld.pid"; then
-    scontrol reconfigure >/dev/null || xsc_die "scontrol reconfigure failed; run cluster-down.sh"
-  fi
 }
 
 start_munge() {
@@ -221,7 +210,8 @@ main() {
   done
   write_hosts
   make_fake_gpus
-  write_config
+  # Rewriting slurm.conf under running daemons would change their view: only write when down.
+  xsc_alive "$XSC_STATE/slurmctld.pid" || write_config
   start_munge
   xsc_alive "$XSC_STATE/slurmctld.pid" || slurmctld
   for node in "${XSC_NODES[@]}"; do
