@@ -281,11 +281,19 @@ def run_forked(commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
     for many short command lines whose own work is a fraction of `import torch`. ENV is that
     interpreter's: where a preloaded library reads a variable when imported (the Hugging Face
     libraries read HF_HOME), it must hold the value every command line has."""
-    proc = subprocess.run([sys.executable, str(FORKED_RUNS), *preload],
-                          input=forked_runs_input(commands, cwd), cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return forked_runs_results(commands, proc.stdout)
+    # A session of its own, so that a timeout kills the forked children with the tool: killed
+    # alone, it left a child training on, two cores busy for the rest of the suite.
+    tool = subprocess.Popen([sys.executable, str(FORKED_RUNS), *preload], cwd=cwd, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = tool.communicate(forked_runs_input(commands, cwd), timeout=timeout)
+    finally:
+        if tool.poll() is None:
+            os.killpg(tool.pid, signal.SIGKILL)
+            tool.communicate()
+    assert tool.returncode == 0, err[-4000:]
+    return forked_runs_results(commands, out)
 
 
 def forked_runs_input(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> str:

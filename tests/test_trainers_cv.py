@@ -186,6 +186,21 @@ CASE_IDS = ["mnist-no-dir", "mnist-no-idx", "mnist-bad-rank", "mnist-gpu-without
             "ds-no-config", "ds-bad-config", "ds-fp16-on-cpu", "imagenet-bad-peak"]
 
 
+def cpu_trains_fp16() -> bool:
+    """What DeepSpeed's CPU accelerator asks before it offers fp16 (is_fp16_supported): oneDNN's
+    fp16 kernels, on CPUs with AVX512-FP16 or AMX-FP16 (Sapphire Rapids and later)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# Cases that are no mistake on this machine: on a CPU with fp16 the fp16 config trains (slowly,
+# on oneDNN's reference convolutions), so there is no error line to see; test_ds's
+# check_precision test keeps the rule on every CPU.
+NOT_MISTAKES_HERE = {"ds-fp16-on-cpu"} if cpu_trains_fp16() else set()
+
+
 @pytest.fixture(scope="module")
 def user_error_runs(mnist_dir, images, tmp_path_factory) -> list[tuple]:
     """Every case run once, each in a folder of its own, as forks of one interpreter that
@@ -193,18 +208,23 @@ def user_error_runs(mnist_dir, images, tmp_path_factory) -> list[tuple]:
     work is a fraction of their imports. Per case: (the run, the expected line, its folder)."""
     cases, folders = [], []
     for index, case_id in enumerate(CASE_IDS):
+        if case_id in NOT_MISTAKES_HERE:
+            continue
         folder = tmp_path_factory.mktemp(case_id)
         cases.append(user_error_cases(mnist_dir, images[0], folder)[index])
         folders.append(folder)
     runs = run_forked([(args, clean_env(**env)) for args, env, _ in cases], REPO,
                       preload=("torch", "torchvision"))
-    return [(proc, expected, folder)
-            for proc, (_, _, expected), folder in zip(runs, cases, folders, strict=True)]
+    return dict(zip([case_id for case_id in CASE_IDS if case_id not in NOT_MISTAKES_HERE],
+                    [(proc, expected, folder) for proc, (_, _, expected), folder
+                     in zip(runs, cases, folders, strict=True)], strict=True))
 
 
-@pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
-def test_user_errors_are_one_line_and_train_nothing(case, user_error_runs):
-    proc, expected, folder = user_error_runs[case]
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_user_errors_are_one_line_and_train_nothing(case_id, user_error_runs):
+    if case_id in NOT_MISTAKES_HERE:
+        pytest.skip("this CPU trains fp16 (oneDNN's AVX512-FP16/AMX-FP16): no mistake here")
+    proc, expected, folder = user_error_runs[case_id]
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(expected), proc.stderr
