@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,13 @@ def test_a_loop_without_torch_ddp_says_why_it_cannot_be_recovered_live(monkeypat
     monkeypatch.setattr(ddp_kind, "DDP", nn.Linear)  # a DDP, for the checks that follow
     assert live.for_loop(ctx, model, None, 1)[1].startswith("the loop was given no optimizer")
     assert "accumulates 4 micro-batches" in live.for_loop(ctx, model, optimizer, 4)[1]
+    # A model that fully_shard made (FSDPModule, as the check sees it): its shards are nowhere
+    # else, whatever else the loop has.
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp",
+                        types.SimpleNamespace(FSDPModule=nn.Linear))
+    assert live.for_loop(ctx, model, optimizer, 1)[1] == (
+        "the model is sharded (FSDP2): a lost rank's shard is held by no other rank, so it "
+        "comes back from the newest checkpoint")
     monkeypatch.setattr(rank_link, "_link", None)
     assert live.for_loop(ctx, model, optimizer, 4) == (None, None)
 

@@ -320,6 +320,38 @@ def test_imagenet_trains_from_a_tarball_staged_once_per_node(images, tmp_path):
     assert len(digests(stdout)) == 1
 
 
+def test_imagenet_with_fsdp_shards_every_rank_writes_and_one_rank_resumes_the_same_weights(
+        tmp_path):
+    """--fsdp (FSDP2, torch's fully_shard) on 2 ranks, two micro-batches a step: each rank
+    writes its shard of ckpt-STEP.dcp, and one rank alone (another world size) loads the same
+    weights from it. 33 validation images: ranks of 17 and 16 run 2 and 1 batches of 16, and
+    an evaluation's forwards are collectives of the sharded model (xscale.vision)."""
+    folder = write_imagefolder(tmp_path / "data", classes=3, train=32, val=11)
+    out = tmp_path / "out"
+    common = [IMAGENET, "--fsdp", *VISION_TINY, "--grad-accum-steps", "2", "--output-dir",
+              str(out), str(folder)]
+    codes, stdout, stderr = run_ranks(2, *common, "--max-steps", "4", "--checkpoint-every", "2")
+    assert codes == [0, 0], stderr[-5000:]
+    first = summary(stdout)
+    assert (first["steps"], first["accumulation"], first["fsdp"]) == (4, 2, True), first
+    assert (first["val_samples"], first["checkpoints_saved"]) == (33, 2), first
+    assert stdout.count("xscale: the model is sharded (FSDP2): every rank writes its part") == 1
+    assert "live recovery" not in stdout  # no spares here: nothing to say
+    assert len(digests(stdout)) == 1  # the whole model, gathered, is one on every rank
+    saved = out / "ckpt-000004.dcp"
+    sizes = {part.relative_path: (saved / part.relative_path).stat().st_size
+             for part in FileSystemReader(str(saved)).read_metadata().storage_data.values()}
+    assert set(sizes) == {"__0_0.distcp", "__1_0.distcp"}, sizes
+    # Each rank wrote about half of the weights and optimizer state: resnet18's 11 M parameters
+    # and their momentum, 90 MB, are 45 MB a rank.
+    assert all(30e6 < size < 60e6 for size in sizes.values()), sizes
+    codes, alone, stderr = run_ranks(1, *common, "--max-steps", "4")
+    assert codes == [0], stderr[-5000:]
+    resumed = summary(alone)
+    assert (resumed["world_size"], resumed["start_step"], resumed["steps"]) == (1, 4, 4)
+    assert digests(alone) == digests(stdout)
+
+
 # ---------------------------------------------------------------------------------------------
 # The virtual cluster: 4 ranks over nid001 and nid002, srun -> shim -> run.sh -> trainer
 # ---------------------------------------------------------------------------------------------
@@ -485,6 +517,27 @@ def test_imagenet_on_two_nodes_with_the_seed_command_line_stops_then_resumes(clu
             assert (staged_root / ".data-resnet-small.staged").is_file()
             assert not list(staged_root.glob("*.partial"))
             shutil.rmtree(staged_root)
+
+
+def test_imagenet_with_fsdp_on_two_nodes_stops_on_usr1_and_resumes_as_another_world(
+        cluster, images, tmp_path):
+    """--fsdp on 2 nodes x 2, DataLoader workers on: USR1 to the step stops every rank at one
+    step, each writing its shard of the checkpoint; the run resumes from it as 2 ranks, one a
+    node, the shards cut anew by torch.distributed.checkpoint."""
+    folder, _ = images
+    out = tmp_path / "out"
+    common = [IMAGENET, "--fsdp", *VISION_TINY, "-j", "2", "--output-dir", str(out),
+              "--checkpoint-every", "2", str(folder)]
+    first = check_stopped(srun_stopped(cluster, out / "ckpt-000004.dcp", *common,
+                                       "--max-steps", "100000"), "imagenet")
+    stopped_at = first["steps"]
+    parts = FileSystemReader(first["checkpoint"]).read_metadata().storage_data.values()
+    assert {part.relative_path for part in parts} == {f"__{rank}_0.distcp" for rank in range(4)}
+    second = srun_one_rank_per_node(cluster, *common, "--max-steps", str(stopped_at + 2),
+                                    env={})
+    assert (second["start_step"], second["steps"], second["fsdp"]) == (
+        stopped_at, stopped_at + 2, True)
+    assert second["loss_first"] < first["loss_first"]
 
 
 def test_imagenet_deepspeed_on_two_nodes_stops_on_usr1_and_resumes(cluster, images, tmp_path):

@@ -9,6 +9,7 @@ process (rank 0 of 1) and needs no MASTER_ADDR.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -338,3 +339,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether MODEL's parameters are sharded over the ranks by FSDP2 (torch's fully_shard):
+    no rank holds the whole model, so only every rank together can save it. Read from
+    sys.modules: a script that sharded its model has imported FSDP, and one that did not is
+    spared the import."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)

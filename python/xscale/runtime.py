@@ -34,7 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -310,6 +310,17 @@ def _saver_and_resume(ctx: DistContext, model: nn.Module, optimizer: Any, scaler
     return save, resumed
 
 
+@contextmanager
+def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's no_sync: the micro-batch's gradients stay unsharded and accumulate, with no
+    reduce-scatter, until the step's last micro-batch."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     """xscale.Loop's options, each with its default (Loop's docstring says what each does)."""
@@ -369,7 +380,11 @@ class Loop:
         self.auto_every = config.checkpoint_every == "auto"
         self.checkpoint_every = 0 if self.auto_every else int(config.checkpoint_every)
         savers.checkpoint_mode()  # a bad setting stops the run before its first step
-        savers.checkpoint_writers()
+        writers = savers.checkpoint_writers()
+        if savers.writers_for(model) != writers and self.output_dir and ctx.is_main:
+            print("xscale: the model is sharded (FSDP2): every rank writes its part of each "
+                  "checkpoint (ckpt-STEP.dcp; XSCALE_CHECKPOINT_WRITERS=rank0 is for a model "
+                  "that every rank holds whole)", flush=True)
         warmup_steps = config.warmup_steps
         if warmup_steps is None:
             warmup_steps = min(5, max(1, (self.end_step or 10) // 10))
@@ -471,11 +486,16 @@ class Loop:
         return self._micro + 1 == self.accumulation
 
     def sync_gradients(self, model: nn.Module) -> AbstractContextManager:
-        """DDP's no_sync() on every micro-batch but the last of a step: one all-reduce per
-        optimizer step, not one per micro-batch."""
-        if self.boundary or not hasattr(model, "no_sync"):
+        """DDP's no_sync() (FSDP2's set_requires_gradient_sync(False)) on every micro-batch
+        but the last of a step: one gradient reduction per optimizer step, not one per
+        micro-batch."""
+        if self.boundary:
             return nullcontext()
-        return model.no_sync()
+        if hasattr(model, "no_sync"):
+            return model.no_sync()
+        if hasattr(model, "set_requires_gradient_sync"):
+            return _without_gradient_sync(model)
+        return nullcontext()
 
     def record(self, loss: torch.Tensor, samples: int, tokens: int = 0) -> None:
         """After each micro-batch: its loss and size (samples, tokens for language models);

@@ -13,11 +13,12 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from xscale import staging
 from xscale.checkpoints import cadence
-from xscale.dist import DistContext
+from xscale.dist import DistContext, collective_device, is_sharded
 from xscale.lifecycle import UserError
 from xscale.reductions import SumMeter, mean
 
@@ -219,6 +220,16 @@ def step_lr(base_lr: float, epoch: int) -> float:
     return base_lr * (0.1 ** (epoch // 30))
 
 
+def _forwards_of_the_busiest(batches: Iterable) -> int:
+    """The most batches any rank has in BATCHES (a DataLoader: its len), agreed before the
+    first: a sharded model's forward is a collective (FSDP2 gathers each layer's weights from
+    every rank), and the ranks' shares of a data set differ by up to a batch, so a rank that
+    runs out goes on with forwards on an empty batch until it has run as many."""
+    most = torch.tensor([len(batches)], device=collective_device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
+
+
 def evaluate_classifier(
     model: nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -227,21 +238,29 @@ def evaluate_classifier(
 ) -> dict[str, float]:
     """Mean cross-entropy loss and top-1 accuracy over every rank's share of the data set.
 
-    Returns loss, accuracy and samples (the total over ranks), identical on every rank.
+    Returns loss, accuracy and samples (the total over ranks), identical on every rank. For a
+    sharded model BATCHES must have a len (a DataLoader's): every rank runs as many forwards.
     """
     was_training = model.training
     model.eval()
     meter = SumMeter()
     meter.add(loss_sum=0.0, correct=0.0, samples=0.0)  # a rank with an empty shard still reduces
+    forwards = _forwards_of_the_busiest(batches) if is_sharded(model) else 0
+    empty = None
     with torch.no_grad():
         for inputs, targets in batches:
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             with autocast or nullcontext():
                 logits = model(inputs)
+            forwards, empty = forwards - 1, inputs[:0]
             loss = nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
             correct = (logits.argmax(dim=1) == targets).sum()
             meter.add(loss_sum=loss, correct=correct, samples=targets.numel())
+        if forwards > 0 and empty is None:  # no batch here: the first sample's shape
+            empty = torch.as_tensor(batches.dataset[0][0])[None][:0].to(device)
+        for _ in range(forwards):
+            model(empty)
     model.train(was_training)
     sums = meter.reduce()
     return {

@@ -23,7 +23,7 @@ from torch import nn
 from xscale.checkpoints import every_rank
 from xscale.checkpoints.contents import host_copies, rng_state, training_state
 from xscale.checkpoints.files import checkpoint_path, prune, publish_directory, save
-from xscale.dist import unwrap
+from xscale.dist import is_sharded, unwrap
 from xscale.shared import settings
 
 
@@ -35,6 +35,12 @@ def checkpoint_mode(env: Mapping[str, str] = os.environ) -> str:
 def checkpoint_writers(env: Mapping[str, str] = os.environ) -> str:
     """XSCALE_CHECKPOINT_WRITERS: rank0 (the default) or all; anything else is a UserError."""
     return settings.value("XSCALE_CHECKPOINT_WRITERS", env)
+
+
+def writers_for(model: nn.Module, env: Mapping[str, str] = os.environ) -> str:
+    """Who writes MODEL's checkpoints: XSCALE_CHECKPOINT_WRITERS, but every rank for a sharded
+    model (FSDP2), whatever the setting: rank 0 holds only its own shard of it."""
+    return "all" if is_sharded(model) else checkpoint_writers(env)
 
 
 class Saver(Protocol):
@@ -195,6 +201,6 @@ def training_saver(output_dir: Path | None, model: nn.Module, optimizer: torch.o
     directory."""
     if output_dir is None:
         return None
-    make = EveryRankSaver if checkpoint_writers() == "all" else TrainingSaver
+    make = EveryRankSaver if writers_for(model) == "all" else TrainingSaver
     return make(output_dir, model, optimizer, scaler, is_main=is_main, keep=keep,
                 mode=checkpoint_mode(), extra=extra, scheduler=scheduler)

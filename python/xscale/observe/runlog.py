@@ -144,11 +144,13 @@ def param_digest(model: nn.Module) -> str:
     """sha256 over every parameter's name, dtype, shape and bytes, in name order.
 
     Parameters only: BatchNorm's running statistics are buffers that each rank updates from
-    its own batches, so they legitimately differ between replicas.
+    its own batches, so they legitimately differ between replicas. A sharded model's (FSDP2's
+    DTensors) are gathered whole first, a collective: every rank calls this, in the same order.
     """
     digest = hashlib.sha256()
     for name, param in sorted(unwrap(model).named_parameters(), key=lambda item: item[0]):
-        tensor = param.detach().to("cpu").contiguous()
+        whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+        tensor = whole.detach().to("cpu").contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

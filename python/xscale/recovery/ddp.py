@@ -57,6 +57,9 @@ def prepare_replacement() -> None:
 
 def why_not(model: nn.Module, optimizer: Any, accumulation: int) -> str | None:
     """Why this loop's training cannot be recovered as a DDP model; None: it can."""
+    if xdist.is_sharded(model):
+        return ("the model is sharded (FSDP2): a lost rank's shard is held by no other rank, "
+                "so it comes back from the newest checkpoint")
     if not isinstance(model, DDP):
         kind = type(model)
         return (f"the loop's model is a {kind.__module__}.{kind.__qualname__}, not torch's "

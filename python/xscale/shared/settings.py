@@ -177,7 +177,7 @@ SETTINGS = (
             TRAINERS),
     Setting("XSCALE_CHECKPOINT_WRITERS", choice("rank0", "all"), "rank0",
             "rank0: rank 0 writes ckpt-STEP.pt; all: every rank writes its part of "
-            "ckpt-STEP.dcp", TRAINERS),
+            "ckpt-STEP.dcp, as it always does for a sharded model (FSDP2)", TRAINERS),
     Setting("XSCALE_NODE_MTBF_H", number(above=0, unit="hours"), NODE_MTBF_H,
             "a node's mean time between failures, for --checkpoint-every auto", TRAINERS,
             shown="6335 (Llama 3's 419 failures in 54 days on 2,048 nodes)"),
