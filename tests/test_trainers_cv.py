@@ -30,6 +30,13 @@ from tests.helpers import (
     whole_summary_lines,
 )
 from tests.test_jobs import check_startup_phases, check_summary, lumi, submit, virtual_env
+from tests.test_own_scripts import JOB as OWN_SCRIPT_JOB
+from tests.test_own_scripts import (
+    STRAGGLER_ENV,
+    check_stopped_and_resumed,
+    healed_nid002,  # noqa: F401 (a fixture)
+    slowed_and_requeued,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 MNIST = "python/mnist_ddp.py"
@@ -519,25 +526,27 @@ def test_imagenet_on_two_nodes_with_the_seed_command_line_stops_then_resumes(clu
             shutil.rmtree(staged_root)
 
 
-def test_imagenet_with_fsdp_on_two_nodes_stops_on_usr1_and_resumes_as_another_world(
-        cluster, images, tmp_path):
-    """--fsdp on 2 nodes x 2, DataLoader workers on: USR1 to the step stops every rank at one
-    step, each writing its shard of the checkpoint; the run resumes from it as 2 ranks, one a
-    node, the shards cut anew by torch.distributed.checkpoint."""
+def test_imagenet_with_fsdp_names_a_slowed_node_stops_and_resumes(
+        cluster, healed_nid002, images, tmp_path):  # noqa: F811
+    """--fsdp as a batch job on three nodes, one rank each, DataLoader workers on, nid002
+    slowed from the first step: the straggler line names its rank though every rank's forward
+    waits for it in FSDP's weight gathers (xscale.observe.stragglers); Slurm's warning stops
+    every rank at one step, each writing its shard; the requeued job resumes there and ends.
+    (A resume at another world size: the host-only test above.)"""
     folder, _ = images
-    out = tmp_path / "out"
-    common = [IMAGENET, "--fsdp", *VISION_TINY, "-j", "2", "--output-dir", str(out),
+    out, output = tmp_path / "out", tmp_path / "job.out"
+    common = [IMAGENET, "--fsdp", *VISION_TINY, "-j", "2", "-p", "2", "--output-dir", str(out),
               "--checkpoint-every", "2", str(folder)]
-    first = check_stopped(srun_stopped(cluster, out / "ckpt-000004.dcp", *common,
-                                       "--max-steps", "100000"), "imagenet")
-    stopped_at = first["steps"]
-    parts = FileSystemReader(first["checkpoint"]).read_metadata().storage_data.values()
-    assert {part.relative_path for part in parts} == {f"__{rank}_0.distcp" for rank in range(4)}
-    second = srun_one_rank_per_node(cluster, *common, "--max-steps", str(stopped_at + 2),
-                                    env={})
-    assert (second["start_step"], second["steps"], second["fsdp"]) == (
-        stopped_at, stopped_at + 2, True)
-    assert second["loss_first"] < first["loss_first"]
+    steps = 24  # the stop comes near step 10: the slowed node holds every step back
+    job_id = cluster.submit(OWN_SCRIPT_JOB, *common, "--max-steps", str(steps), output=output,
+                            sbatch_options=("--nodes=3", "--nodelist=nid[001-003]",
+                                            "--ntasks-per-node=1"),
+                            env={"OUTPUT_DIR": str(out), **STRAGGLER_ENV})
+    slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
+    check_stopped_and_resumed(output, out, steps, "1 on nid002")
+    parts = FileSystemReader(str(out / f"ckpt-{steps:06d}.dcp")).read_metadata().storage_data
+    assert {part.relative_path for part in parts.values()} == {
+        f"__{rank}_0.distcp" for rank in range(3)}
 
 
 def test_imagenet_deepspeed_on_two_nodes_stops_on_usr1_and_resumes(cluster, images, tmp_path):

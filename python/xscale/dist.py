@@ -341,6 +341,17 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def sharded_units(model: nn.Module) -> list[nn.Module]:
+    """The modules inside MODEL that FSDP2 shards as units of their own (fully_shard applied to
+    each), MODEL itself left out: each gathers its weights from every rank as its forward
+    starts. None for a model that is not sharded."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return []
+    return [module for module in model.modules()
+            if module is not model and isinstance(module, fsdp.FSDPModule)]
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether MODEL's parameters are sharded over the ranks by FSDP2 (torch's fully_shard):
     no rank holds the whole model, so only every rank together can save it. Read from

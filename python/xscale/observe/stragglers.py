@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xscale.dist import unwrap
+from xscale.dist import sharded_units, unwrap
 from xscale.observe.spans import Spans
 from xscale.reductions import gather_to_rank0
 from xscale.shared import settings as xscale_settings  # this module's settings() keeps its name
@@ -64,15 +64,24 @@ def settings(environ: dict[str, str] | None = None) -> tuple[float, int]:
 
 class WorkClock:
     """This rank's own work: time waiting for batches (add_wait) and the training forward passes
-    of the model's inner module (hooks), summed until take()."""
+    of the model's inner module (hooks), summed until take().
+
+    A sharded model's forward (FSDP2) is collective too: each unit first gathers its weights
+    from every rank, and a fast rank waits there for a slow one. Those waits are timed apart,
+    from a hook before FSDP's own pre-forward to one after it, and left out. The model's own
+    gather is already outside: FSDP's pre-forward hook runs before the clock's."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self._waits = 0.0
-        self._forwards = Spans(device)
+        self._forwards, self._gathers = Spans(device), Spans(device)
         self._started: float | torch.Event | None = None
+        self._gathering: float | torch.Event | None = None
         inner = unwrap(model)
         inner.register_forward_pre_hook(self._forward_starts)
         inner.register_forward_hook(self._forward_ends)
+        for unit in sharded_units(inner):
+            unit.register_forward_pre_hook(self._gather_starts, prepend=True)
+            unit.register_forward_pre_hook(self._gather_ends)
 
     def add_wait(self, seconds: float) -> None:
         self._waits += seconds
@@ -86,11 +95,21 @@ class WorkClock:
             self._forwards.add(self._started, self._forwards.mark())
             self._started = None
 
+    def _gather_starts(self, module: nn.Module, args: Any) -> None:
+        if self._started is not None:  # inside a training forward
+            self._gathering = self._gathers.mark()
+
+    def _gather_ends(self, module: nn.Module, args: Any) -> None:
+        if self._gathering is not None:
+            self._gathers.add(self._gathering, self._gathers.mark())
+            self._gathering = None
+
     def take(self) -> float:
-        """The seconds of own work since the last take(). On a device: its forward passes, once
-        the last one is done (one wait per log interval, for work long finished by then)."""
+        """The seconds of own work since the last take(). On a device: its forward passes less
+        their gathers, once the last one is done (one wait per log interval, for work long
+        finished by then)."""
         waits, self._waits = self._waits, 0.0
-        return waits + self._forwards.take()
+        return waits + max(0.0, self._forwards.take() - self._gathers.take())
 
 
 def print_now(text: str) -> None:
