@@ -11,6 +11,7 @@ The command line is pytorch/examples/imagenet's, so the workshop's line works as
 and so does the same without the rank options, from run.sh's RANK/WORLD_SIZE/MASTER_* (when
 both are given they must agree). As in pytorch/examples, --batch-size and --workers are per
 node and divided among the node's ranks (LOCAL_WORLD_SIZE): 8*512 on 8 GCDs is 512 per GCD.
+Every node must then hold as many ranks (one line and exit 2 otherwise).
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def shard(model: torch.nn.Module, ctx: xscale.Context) -> torch.nn.Module:
-    """FSDP2: each top-level part of the network that has weights (a ResNet's stem, its four
-    stages, its classifier) is a unit whose weights are gathered for its forward and backward
-    and freed after, then the whole model, which holds what is left. Each rank keeps 1/N of
-    every unit's weights, gradients and optimizer state."""
+    """FSDP2: each top-level part of the network that has weights (a ResNet's first
+    convolution and its norm, its four stages, its classifier) is a unit whose weights are
+    gathered for its forward and backward and freed after, then the whole model, which holds
+    what is left. Each rank keeps 1/N of every unit's weights, gradients and optimizer state."""
     # Imported here: half a second of start-up that a DDP run does not pay.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -76,7 +77,7 @@ def shard(model: torch.nn.Module, ctx: xscale.Context) -> torch.nn.Module:
 def train(args: argparse.Namespace, ctx: xscale.Context) -> int:
     root = vision.resolve_data(args, ctx)
     train_set, val_set, classes = vision.datasets_for(root, args.image_size)
-    batch_size = vision.per_rank(args.batch_size, ctx.local_world_size, "--batch-size")
+    batch_size = vision.per_rank(args.batch_size, ctx, "--batch-size")
     workers = -(-args.workers // ctx.local_world_size)  # pytorch/examples rounds up
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank

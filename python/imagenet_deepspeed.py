@@ -66,7 +66,7 @@ def train(args: argparse.Namespace, ctx: xscale.Context, config: dict) -> int:
     root = vision.resolve_data(args, ctx)
     train_set, val_set, classes = vision.datasets_for(root, args.image_size)
     per_rank = (None if args.batch_size is None
-                else vision.per_rank(args.batch_size, ctx.local_world_size, "--batch-size"))
+                else vision.per_rank(args.batch_size, ctx, "--batch-size"))
     config = ds.set_learning_rate(ds.batch_sizes(config, ctx.world_size, per_rank), args.lr)
     batch_size = config["train_micro_batch_size_per_gpu"]
     accumulation = config["gradient_accumulation_steps"]  # DeepSpeed steps at the boundaries

@@ -245,6 +245,29 @@ def test_user_errors_are_one_line_and_train_nothing(case_id, user_error_runs):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_nodes_with_different_numbers_of_ranks_stop_every_rank_with_one_line(images):
+    """--batch-size is per node (pytorch/examples): with 2 ranks on one node and 1 on another
+    the ranks would train batches of 16 and 32, their epochs would end at different steps, and
+    their collectives stop matching (gloo's size mismatch, seen on the bed with srun -N2 -n3).
+    Every rank stops before training, with one line and status 2."""
+    folder, _ = images
+    port = str(free_port())
+    layout = [(0, 0, 2, 0), (1, 1, 2, 0), (2, 0, 1, 1)]  # rank, local rank, its node's ranks, node
+    commands = [([IMAGENET, *VISION_TINY, "--max-steps", "2", str(folder)],
+                 clean_env(RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(local),
+                           LOCAL_WORLD_SIZE=str(on_node), NODE_RANK=str(node), NNODES="2",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                for rank, local, on_node, node in layout]
+    codes, _, stderr = finish(ForkedRanks(commands, REPO, TRAINER_IMPORTS, env=clean_env()),
+                              timeout=120)
+    assert codes == [2, 2, 2], stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert errors == ["imagenet.py: error: --batch-size is per node and divided among its "
+                      "ranks, but the nodes hold 1 to 2 ranks: give every node as many (srun "
+                      "--ntasks-per-node)"] * 3, stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
 def test_mnist_one_process_reads_gzip_in_torchvision_layout_and_saves_the_model(tmp_path):
     data_dir = tmp_path / "data"
     write_mnist(data_dir, train=512, test=256, compress=True, torchvision_layout=True)

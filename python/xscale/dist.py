@@ -344,7 +344,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 def sharded_units(model: nn.Module) -> list[nn.Module]:
     """The modules inside MODEL that FSDP2 shards as units of their own (fully_shard applied to
     each), MODEL itself left out: each gathers its weights from every rank as its forward
-    starts. None for a model that is not sharded."""
+    starts. Empty for a model that is not sharded."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:
         return []

@@ -197,13 +197,31 @@ def build_model(arch: str, num_classes: int, channels_last: bool = False) -> nn.
     return model
 
 
-def per_rank(total: int, ranks_per_node: int, option: str) -> int:
-    """pytorch/examples' division of a per-node amount among the node's ranks."""
-    share = total // ranks_per_node
+def per_rank(total: int, ctx: DistContext, option: str) -> int:
+    """pytorch/examples' division of a per-node amount among the node's ranks. Every node must
+    hold as many ranks: else the ranks train batches of different sizes, their epochs end at
+    different steps, and their collectives stop matching (a hang or gloo's size mismatch). The
+    ranks compare in one all-reduce, so all of them stop alike."""
+    fewest, most = _ranks_per_node_range(ctx)
+    if fewest != most:
+        raise UserError(f"{option} is per node and divided among its ranks, but the nodes hold "
+                        f"{fewest} to {most} ranks: give every node as many (srun "
+                        "--ntasks-per-node)")
+    share = total // ctx.local_world_size
     if share < 1:
-        raise UserError(f"{option} {total} is less than one per rank ({ranks_per_node} ranks "
-                        "on this node)")
+        raise UserError(f"{option} {total} is less than one per rank ({ctx.local_world_size} "
+                        "ranks on each node)")
     return share
+
+
+def _ranks_per_node_range(ctx: DistContext) -> tuple[int, int]:
+    """(fewest, most) ranks on any node of the job."""
+    if not dist.is_initialized():
+        return ctx.local_world_size, ctx.local_world_size
+    both = torch.tensor([-ctx.local_world_size, ctx.local_world_size],
+                        device=collective_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return -int(both[0]), int(both[1])
 
 
 def autocast(device: torch.device, amp: str) -> Callable[[], AbstractContextManager]:
@@ -222,7 +240,7 @@ def step_lr(base_lr: float, epoch: int) -> float:
 
 def _forwards_of_the_busiest(batches: Iterable) -> int:
     """The most batches any rank has in BATCHES (a DataLoader: its len), agreed before the
-    first: a sharded model's forward is a collective (FSDP2 gathers each layer's weights from
+    first: a sharded model's forward is a collective (FSDP2 gathers each unit's weights from
     every rank), and the ranks' shares of a data set differ by up to a batch, so a rank that
     runs out goes on with forwards on an empty batch until it has run as many."""
     most = torch.tensor([len(batches)], device=collective_device())
@@ -245,7 +263,7 @@ def evaluate_classifier(
     model.eval()
     meter = SumMeter()
     meter.add(loss_sum=0.0, correct=0.0, samples=0.0)  # a rank with an empty shard still reduces
-    forwards = _forwards_of_the_busiest(batches) if is_sharded(model) else 0
+    owed = _forwards_of_the_busiest(batches) if is_sharded(model) else 0  # to the others
     empty = None
     with torch.no_grad():
         for inputs, targets in batches:
@@ -253,13 +271,13 @@ def evaluate_classifier(
             targets = targets.to(device, non_blocking=True)
             with autocast or nullcontext():
                 logits = model(inputs)
-            forwards, empty = forwards - 1, inputs[:0]
+            owed, empty = owed - 1, inputs[:0]
             loss = nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
             correct = (logits.argmax(dim=1) == targets).sum()
             meter.add(loss_sum=loss, correct=correct, samples=targets.numel())
-        if forwards > 0 and empty is None:  # no batch here: the first sample's shape
+        if owed > 0 and empty is None:  # no batch here: the first sample's shape
             empty = torch.as_tensor(batches.dataset[0][0])[None][:0].to(device)
-        for _ in range(forwards):
+        for _ in range(owed):
             model(empty)
     model.train(was_training)
     sums = meter.reduce()
