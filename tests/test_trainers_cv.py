@@ -209,22 +209,22 @@ NOT_MISTAKES_HERE = {"ds-fp16-on-cpu"} if cpu_trains_fp16() else set()
 
 
 @pytest.fixture(scope="module")
-def user_error_runs(mnist_dir, images, tmp_path_factory) -> list[tuple]:
+def user_error_runs(mnist_dir, images, tmp_path_factory) -> dict[str, tuple]:
     """Every case run once, each in a folder of its own, as forks of one interpreter that
     imported torch and torchvision (tests/helpers.run_forked): a dozen command lines whose own
-    work is a fraction of their imports. Per case: (the run, the expected line, its folder)."""
-    cases, folders = [], []
+    work is a fraction of their imports. Per case id: (the run, the expected line, its folder)."""
+    ids, cases, folders = [], [], []
     for index, case_id in enumerate(CASE_IDS):
         if case_id in NOT_MISTAKES_HERE:
             continue
         folder = tmp_path_factory.mktemp(case_id)
+        ids.append(case_id)
         cases.append(user_error_cases(mnist_dir, images[0], folder)[index])
         folders.append(folder)
     runs = run_forked([(args, clean_env(**env)) for args, env, _ in cases], REPO,
                       preload=("torch", "torchvision"))
-    return dict(zip([case_id for case_id in CASE_IDS if case_id not in NOT_MISTAKES_HERE],
-                    [(proc, expected, folder) for proc, (_, _, expected), folder
-                     in zip(runs, cases, folders, strict=True)], strict=True))
+    return {case_id: (proc, expected, folder) for case_id, proc, (_, _, expected), folder
+            in zip(ids, runs, cases, folders, strict=True)}
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
