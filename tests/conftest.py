@@ -89,14 +89,14 @@ class Cluster:
         assert proc.returncode == 0, f"fault.sh {' '.join(args)}: {proc.stderr}"
         return proc.stdout
 
-    def slow_once_training(self, node: str, records: Path) -> None:
-        """Slow NODE down 90% (fault.sh slow) once rank 0 noted the first step in RECORDS, the
-        job's xscale-records: a start-up ten times as slow, `import torch` included, would
+    def slow_once_training(self, node: str, records: Path, percent: int = 90) -> None:
+        """Slow NODE down PERCENT (fault.sh slow) once rank 0 noted the first step in RECORDS,
+        the job's xscale-records: a start-up ten times as slow, `import torch` included, would
         test nothing and cost a minute."""
         notes = records / f"attempt0-launch1{contract.PROGRESS}"
         wait_for(lambda: contract.first(contract.read_progress(notes), contract.FIRST_STEP), 240,
                  "the first step")
-        self.fault("slow", node, "90")
+        self.fault("slow", node, str(percent))
 
     def srun(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 600

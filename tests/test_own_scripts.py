@@ -125,12 +125,13 @@ def test_the_documented_lines_are_the_whole_difference(kind: str, script: str):
     assert changed_lines(code_lines(script), code_lines(with_xscale(script))) == documented
 
 
-def slowed_and_requeued(cluster, job_id: str, output: Path, records: Path) -> None:
+def slowed_and_requeued(cluster, job_id: str, output: Path, records: Path,
+                        percent: int = 90) -> None:
     """The job run through this: nid002 slowed from the first step (RECORDS: the job's
     xscale-records), the straggler line, Slurm's time-limit warning, the requeue and the
     resumed run to its end (its OUTPUT); the job cancelled whatever happens."""
     try:
-        cluster.slow_once_training("nid002", records)
+        cluster.slow_once_training("nid002", records, percent)
         state = requeue_after_the_warning(cluster, job_id, output)
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)
