@@ -311,13 +311,15 @@ SPARE_STEPS, SPARE_EVERY, SPARE_LOG_EVERY = 120, 50, 5
 
 def submit_with_a_spare(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[str, Path, Path]:
     """jobs/lumi/mnist.sbatch with XSCALE_SPARES=1 on all four nodes: the step trains on three of
-    them, two ranks each, and the fourth waits."""
+    them, two ranks each, and the fourth waits. Epochs enough that a run with MAX_STEPS=100000
+    outlasts two crashes: 100 epochs (500 steps) ended in 40 s on a faster machine, before the
+    live-recovery test's second crash, which then found no training to requeue."""
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     job_env = virtual_env(tmp_path, DATA=str(data), OUTPUT_DIR=str(out_dir),
                           XSCALE_SPARES="1",
                           **{"MAX_STEPS": str(SPARE_STEPS), **env})
     job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", str(SPARE_EVERY), "--log-every",
-                            str(SPARE_LOG_EVERY), "--epochs", "100", env=job_env, output=output,
+                            str(SPARE_LOG_EVERY), "--epochs", "1000", env=job_env, output=output,
                             sbatch_options=(*VIRTUAL, "--nodes=4"))
     return job_id, out_dir, output
 
