@@ -345,17 +345,22 @@ def sharded_units(model: nn.Module) -> list[nn.Module]:
     """The modules inside MODEL that FSDP2 shards as units of their own (fully_shard applied to
     each), MODEL itself left out: each gathers its weights from every rank as its forward
     starts. Empty for a model that is not sharded."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None:
+    unit = _fsdp_module_class()
+    if unit is None:
         return []
     return [module for module in model.modules()
-            if module is not model and isinstance(module, fsdp.FSDPModule)]
+            if module is not model and isinstance(module, unit)]
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether MODEL's parameters are sharded over the ranks by FSDP2 (torch's fully_shard):
-    no rank holds the whole model, so only every rank together can save it. Read from
-    sys.modules: a script that sharded its model has imported FSDP, and one that did not is
-    spared the import."""
+    no rank holds the whole model, so only every rank together can save it."""
+    unit = _fsdp_module_class()
+    return unit is not None and isinstance(model, unit)
+
+
+def _fsdp_module_class() -> type | None:
+    """FSDP2's FSDPModule if the script imported FSDP, else None: read from sys.modules, a
+    script that sharded its model has imported it, and one that did not is spared the import."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+    return None if fsdp is None else fsdp.FSDPModule
