@@ -30,29 +30,77 @@ from tests.conftest import REPO
 from tests.helpers import free_port, host_module, rank_env, results_of
 
 PROGRAM = REPO / "tests" / "programs" / "live_ranks.py"
-STEPS, DIE_AT, BATCH = 80, 31, 16  # DIE_AT: between two votes (live_ranks.py logs every 5)
+# 80 micro-batches, less than an epoch; DIE_AT: between two votes (live_ranks.py logs every 5).
+MICRO_BATCHES, DIE_AT, BATCH = 80, 31, 16
 
 
-def expected_batches(rank: int) -> dict[str, float]:
-    """The digest of the batch RANK trains each step on in an uninterrupted run of
-    live_ranks.py (its data, its sampler; the run is shorter than an epoch)."""
+def expected_batches(rank: int, accumulation: int) -> dict[str, float]:
+    """The digest of the batch RANK trains each micro-batch on ("STEP.MICRO") in an
+    uninterrupted run of live_ranks.py (its data, its sampler; the run is shorter than an
+    epoch)."""
     inputs = torch.randn(4096, 32, generator=torch.Generator().manual_seed(0))
     sampler = ResumableSampler(TensorDataset(inputs), 3, rank)
     sampler.set_position(0)
     order = list(sampler)
-    return {str(step): float(inputs[order[(step - 1) * BATCH:step * BATCH]].double().sum())
-            for step in range(1, STEPS + 1)}
+    expected = {}
+    for step in range(1, MICRO_BATCHES // accumulation + 1):
+        for micro in range(accumulation):
+            first = ((step - 1) * accumulation + micro) * BATCH
+            expected[f"{step}.{micro}"] = float(inputs[order[first:first + BATCH]].double().sum())
+    return expected
 
 
-# The rank held a step behind: the source of the state (the lowest survivor), or another.
-@pytest.mark.parametrize("held", [0, 1], ids=["source-behind", "survivor-behind"])
-def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, held: int):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
+    """The digest of the gradients each step of live_ranks.py applies in a run with no failure
+    and no coordinator (DDP's own all-reduce), on rank 0, by (form, steps, accumulation)."""
+    runs: dict[tuple[str, int, int], dict[str, float]] = {}
+
+    def gradients(form: str, steps: int, accumulation: int) -> dict[str, float]:
+        if (form, steps, accumulation) not in runs:
+            runs[form, steps, accumulation] = run_uninterrupted(
+                tmp_path_factory.mktemp("uninterrupted"), FORM=form, MAX_STEPS=str(steps),
+                ACCUMULATION=str(accumulation))
+        return runs[form, steps, accumulation]
+    return gradients
+
+
+def run_uninterrupted(output_dir: Path, **extra: str) -> dict[str, float]:
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, str(PROGRAM), str(output_dir)],
+                              env=rank_env(rank, 3, port, **extra), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for rank in range(3)]
+    try:
+        runs = [(proc.wait(timeout=120), *proc.communicate()) for proc in ranks]
+    finally:
+        for proc in ranks:
+            proc.kill()
+    return results_of(runs)[0]["gradients"]
+
+
+# held: the rank held a step behind, the source of the state (the lowest survivor) or another.
+# mid-step: with two micro-batches per step, rank 2 dies after the first of a step, which the
+# survivors finish alone and drop, recovering at its end; through xscale.Loop, and through
+# xscale.prepare's short form, where the script counts its micro-batches itself.
+# in-a-checkpoint: rank 2 dies after its update, the others meet its loss in the checkpoint
+# that ends the step (it gathers every rank's generators).
+@pytest.mark.parametrize("form, held, accumulation, die_micro, checkpoint_every", [
+    ("loop", 0, 1, 0, 0), ("loop", 1, 1, 0, 0), ("loop", -1, 2, 1, 0), ("prepared", -1, 2, 1, 0),
+    ("loop", -1, 1, -1, DIE_AT)],
+    ids=["source-behind", "survivor-behind", "mid-step-of-two", "prepared-mid-step-of-two",
+         "in-a-checkpoint"])
+def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(
+        tmp_path: Path, uninterrupted, form: str, held: int, accumulation: int, die_micro: int,
+        checkpoint_every: int):
     host_side = host_module("coordinator")
-    port, started = free_port(), {}
+    port, started, steps = free_port(), {}, MICRO_BATCHES // accumulation
 
     def env(rank: int, node: str, **extra: str) -> dict[str, str]:
-        return rank_env(rank, 3, port, SLURMD_NODENAME=node, MAX_STEPS=str(STEPS),
+        return rank_env(rank, 3, port, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
                         DIE_AT=str(DIE_AT), DIE_RANK="2", DIE_HOW="kill",
+                        DIE_MICRO=str(die_micro), ACCUMULATION=str(accumulation), FORM=form,
+                        CHECKPOINT_EVERY=str(checkpoint_every),
                         HOLD_RANK=str(held), XSCALE_RECOVERY=coordinator.address, **extra)
 
     def start(rank: int, node: str, **extra: str) -> subprocess.Popen:
@@ -70,6 +118,7 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, he
         ranks = [start(rank, f"n{rank}") for rank in range(3)]
         ranks[2].wait(timeout=120)
         runs = [proc.communicate(timeout=120) for proc in (ranks[0], ranks[1])]
+        assert "replacement" in started, runs[0][1][-3000:]  # the coordinator fell back
         replacement = started["replacement"]
         runs.append(replacement.communicate(timeout=120))
         codes = [ranks[0].returncode, ranks[1].returncode, replacement.returncode]
@@ -82,14 +131,22 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, he
     # The survivors trained from the start, the replacement from where the rank was lost;
     # all to the end, with the same parameters and optimizer state.
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
-        (0, 0, STEPS), (1, 0, STEPS), (2, DIE_AT, STEPS)], records
+        (0, 0, steps), (1, 0, steps), (2, DIE_AT, steps)], records
     assert len({r["digest"] for r in records}) == 1, records
+    # The first step after the recovery applied the gradients of an uninterrupted run's step
+    # there: no micro-batch lost or counted twice (float32's rounding apart: the live run's
+    # all-reduce divides after summing, DDP's before, and Adam carries the difference on).
+    first = str(DIE_AT + 1)
+    reference = uninterrupted(form, steps, accumulation)[first]
+    assert records[0]["gradients"][first] == pytest.approx(reference, rel=1e-3), reference
     # The same position on every rank after the recovery: each step's batch is the one an
     # uninterrupted run draws there (a survivor a step behind drew one batch too many before).
     for record in records:
-        expected = expected_batches(record["rank"])
-        assert record["trained"] == {str(step): expected[str(step)] for step in
-                                     range(record["started_at"] + 1, STEPS + 1)}, record["rank"]
+        expected = expected_batches(record["rank"], accumulation)
+        assert record["trained"] == {
+            f"{step}.{micro}": expected[f"{step}.{micro}"]
+            for step in range(record["started_at"] + 1, steps + 1)
+            for micro in range(accumulation)}, record["rank"]
     (entry,) = coordinator.saved()
     assert (entry["lost"], entry["spares"], entry["ranks"]) == (["n2"], ["n3"], [2]), entry
     assert f"training goes on at step {DIE_AT}" in runs[0][1] + runs[0][0], runs[0]
@@ -138,7 +195,7 @@ def test_a_loop_live_recovery_cannot_serve_falls_back_with_its_reason_not_no_sur
 
 def test_a_loop_without_torch_ddp_says_why_it_cannot_be_recovered_live(monkeypatch):
     """What a rank tells the coordinator, and rank 0 prints as the run starts, when its loop
-    cannot be recovered live: the model's class, the missing optimizer, the accumulation."""
+    cannot be recovered live: the model's class, the missing optimizer, a sharded model."""
     said: list[str] = []
 
     class Link:
@@ -149,21 +206,20 @@ def test_a_loop_without_torch_ddp_says_why_it_cannot_be_recovered_live(monkeypat
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ctx = None  # a kind of recovery is made only when the loop qualifies
-    assert live.for_loop(ctx, model, optimizer, 1) == (None, said[0])
+    assert live.for_loop(ctx, model, optimizer) == (None, said[0])
     assert said[0].startswith("the loop's model is a torch.nn.modules.linear.Linear, not "
                               "torch's DistributedDataParallel"), said
     monkeypatch.setattr(ddp_kind, "DDP", nn.Linear)  # a DDP, for the checks that follow
-    assert live.for_loop(ctx, model, None, 1)[1].startswith("the loop was given no optimizer")
-    assert "accumulates 4 micro-batches" in live.for_loop(ctx, model, optimizer, 4)[1]
+    assert live.for_loop(ctx, model, None)[1].startswith("the loop was given no optimizer")
     # A model that fully_shard made (FSDPModule, as the check sees it): its shards are nowhere
     # else, whatever else the loop has.
     monkeypatch.setitem(sys.modules, "torch.distributed.fsdp",
                         types.SimpleNamespace(FSDPModule=nn.Linear))
-    assert live.for_loop(ctx, model, optimizer, 1)[1] == (
+    assert live.for_loop(ctx, model, optimizer)[1] == (
         "the model is sharded (FSDP2): a lost rank's shard is held by no other rank, so it "
         "comes back from the newest checkpoint")
     monkeypatch.setattr(rank_link, "_link", None)
-    assert live.for_loop(ctx, model, optimizer, 4) == (None, None)
+    assert live.for_loop(ctx, model, optimizer) == (None, None)
 
 
 def test_a_collective_that_fails_after_the_training_ended_is_no_recovery():

@@ -8,6 +8,7 @@ phases) go to rank 0 once, at the end of a run or before it starts.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,6 +74,27 @@ class SumMeter:
 def mean(sums: Mapping[str, float], total: str, count: str) -> float:
     """sums[total] / sums[count], NaN when nothing was counted."""
     return sums[total] / sums[count] if sums[count] else float("nan")
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's VALUE (picklable), in rank order, on every rank: torch's all_gather_object
+    as two tensor all-gathers (the sizes, then the padded bytes) whose waits a lost peer ends
+    at once under live recovery (xscale.recovery.link.GroupBroken), where all_gather_object
+    raises gloo's error in the caller's lines or waits out the timeout."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    device, world = collective_device(), dist.get_world_size()
+    mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    links.wait(dist.all_gather(sizes, size, async_op=True))
+    lengths = [int(length) for length in torch.cat(sizes).tolist()]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    parts = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in range(world)]
+    links.wait(dist.all_gather(parts, padded.to(device), async_op=True))
+    return [pickle.loads(part[:length].cpu().numpy().tobytes())
+            for part, length in zip(parts, lengths, strict=True)]
 
 
 def gather_to_rank0(value: Any) -> list[Any]:

@@ -394,7 +394,7 @@ class Loop:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         # With spares, live recovery (xscale.recovery); a replacement takes its state from the
         # survivors, not from a checkpoint. A loop it cannot serve says why, once, now.
-        self.live, not_live = live.for_loop(ctx, model, optimizer, self.accumulation)
+        self.live, not_live = live.for_loop(ctx, model, optimizer)
         if not_live is not None and ctx.is_main:
             print(f"xscale: live recovery is off for this run: {not_live}; a lost node "
                   "restarts the launch on a spare instead (docs/YOUR-SCRIPT.md)", flush=True)
@@ -405,7 +405,9 @@ class Loop:
         self.epoch = self.start_step // self.per_epoch
         self.saved_step, self.saved_path = resumed, None
         self.stopped = False
-        self._micro = 0  # micro-batches of the optimizer step under way
+        # The micro-batches of the optimizer step under way: recorded (loop.record), and
+        # handed out (batches()), which a prepared script's count too (it records none).
+        self._micro = self._handed_out = 0
         self._voted_at: int | None = None
         self._moved = False  # a live recovery moved this rank to the source's position
         # A replacement takes the survivors' position (and their model) instead of a checkpoint.
@@ -469,6 +471,7 @@ class Loop:
                 continue  # recovered in the broadcast: this batch may not be the step's now
             if self._micro == 0:
                 self.tally.flops.begin()  # counts the first step only
+            self._handed_out += 1
             yield epoch, batch
             if self.stopped:
                 return
@@ -526,6 +529,7 @@ class Loop:
     def _end_step(self, samples: int, tokens: int) -> None:
         """A step is done: the clocks, the log, and at its interval a checkpoint and a vote."""
         self.step += 1
+        self._handed_out = 0
         self.tally.flops.end()
         self.stragglers.step()
         self.tally.clock.step()
@@ -537,7 +541,11 @@ class Loop:
             self._recover()  # broken after this rank's update: its save and vote are gone too
             return
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
-            self._save()
+            try:
+                self._save()
+            except GroupBroken:
+                self._recover()  # the save gathers every rank's generators: none was written
+                return
         if self.log.due(self.step) or self.step == self.end_step:
             self._vote()
 
@@ -557,9 +565,8 @@ class Loop:
 
     def _vote(self) -> None:
         self._voted_at = self.step
-        proposal = self._propose_interval()
         try:
-            agreed = vote(self.log.flush, self.stragglers, proposal)
+            agreed = vote(self.log.flush, self.stragglers, self._propose_interval())
         except GroupBroken:
             # Not voted again: a survivor may still have been in this step's all-reduce (a ring
             # ends on some ranks first), so after the recovery every rank trains on, and votes
@@ -590,13 +597,22 @@ class Loop:
     def _before_batch(self) -> None:
         """The kind's own collectives before the forward (DDP's buffer broadcast, which would
         raise in the script's lines, is the loop's under live recovery). A recovery here moves
-        the loop: the batch is drawn again, and this done again, by batches()."""
+        the loop: the batch is drawn again, and this done again, by batches().
+
+        Only between two steps, though. Inside a step of several micro-batches the script
+        counts its micro-batches itself (xscale.prepare's scripts step the optimizer every N),
+        so a step cannot be begun again there: the rank finishes the step alone, its optimizer
+        step is dropped (the group is broken), and the recovery comes at the step's end."""
         if self.live is None:
             return
+        mid_step = self._handed_out > 0
+        if mid_step and self.live.broken:
+            return  # the step is dropped at its end; no collective on a broken group till then
         try:
             self.live.before_batch()
         except GroupBroken:
-            self._recover()
+            if not mid_step:
+                self._recover()
 
     def _recover(self) -> None:
         """Leave the broken group and train on in the next, the lost node's ranks replaced,
@@ -627,7 +643,7 @@ class Loop:
         self.saved_step, self.saved_path = position.saved_step, position.saved_path
         self.checkpoint_every, self.auto_every = position.checkpoint_every, position.auto_every
         self.log.start_step = position.log_from
-        self._micro = 0
+        self._micro = self._handed_out = 0
         self._voted_at = None  # a vote cut short counts as none, on every rank alike
         self._moved = True
 

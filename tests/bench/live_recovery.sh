@@ -5,7 +5,9 @@
 # (tests/cluster/fault.sh crash) at a moment named by rank 0's progress notes. One line a run:
 # the job's end state, whether a recovery happened and the step training went on at, the
 # summary's steps, and the report's first line where the launch failed.
-#   bash tests/bench/live_recovery.sh [RUNS [MOMENT...]]
+#   [TRAINER_ARGS='--grad-accum-steps 2'] bash tests/bench/live_recovery.sh [RUNS [MOMENT...]]
+# TRAINER_ARGS: more of mnist_ddp.py's options, split at spaces (two micro-batches per step
+# put the crash in the middle of a step half the time).
 # MOMENT: checkpoint:8 (right after the checkpoint at step 8: the default), checkpoint:20 (just
 # before the vote at step 20), interval:30 (in the last interval), end (in the evaluation after
 # the training). Needs the cluster up and root (the fault helper).
@@ -17,14 +19,16 @@ PYTHON=$REPO/.venv/bin/python
 
 # submit NAME DATA: the job's id.
 submit() {
-  local name=$1 data=$2
+  local name=$1 data=$2 trainer_args
+  read -ra trainer_args <<< "${TRAINER_ARGS:-}"
   rm -rf -- "${WORK:?}/$name" && mkdir -p -- "$WORK/$name"
   PATH=$REPO/tests/shim:$REPO/.venv/bin:$PATH SIF=$WORK/xscale-test.sif DATA=$data \
     BINDS="$REPO,$REPO/runscripts:/runscripts,$WORK" MAX_STEPS=40 USE_GPU=0 \
     DIST_BACKEND=gloo CPU_MASKS=0x1,0x2 OUTPUT_DIR=$WORK/$name/out XSCALE_SPARES=1 \
     XSCALE_RETRY=1 sbatch --parsable -o "$WORK/$name/job.out" --partition=debug \
       --account=xscale-test --nodes=4 --ntasks-per-node=2 --gpus-per-node=4 \
-      --time=00:15:00 "$REPO/jobs/lumi/mnist.sbatch" --checkpoint-every 4 --epochs 100000
+      --time=00:15:00 "$REPO/jobs/lumi/mnist.sbatch" --checkpoint-every 4 --epochs 100000 \
+      "${trainer_args[@]}"
 }
 
 # shellcheck source=tests/bench/jobs.sh

@@ -1,18 +1,23 @@
-"""A rank of a small DDP training through xscale.Loop (a BatchNorm layer, Adam, one DataLoader
-worker), for live recovery's tests: MAX_STEPS steps; the rank in DIE_RANK kills itself (SIGKILL,
-as a crashed node's processes die) or stops (SIGSTOP, as a frozen node's) when its step DIE_AT
-is recorded, in the way DIE_HOW says. The rank in HOLD_RANK, at that step, waits after its
+"""A rank of a small DDP training through xscale.Loop, or with FORM=prepared xscale.prepare's
+short form (a BatchNorm layer, Adam, one DataLoader worker), for live recovery's tests:
+MAX_STEPS steps of ACCUMULATION micro-batches each; the rank
+in DIE_RANK kills itself (SIGKILL, as a crashed node's processes die) or stops (SIGSTOP, as a
+frozen node's) when its step DIE_AT is recorded, in the way DIE_HOW says, or DIE_MICRO
+micro-batches into the step after it, or (DIE_MICRO=-1) after its optimizer step of DIE_AT but
+before recording it, so that the others meet its loss in the step's checkpoint (every
+CHECKPOINT_EVERY steps; none by default). The rank in HOLD_RANK, at that step, waits after its
 optimizer step until the group is known broken, so that it recovers a step behind the others
 (as a survivor does whose ring all-reduce ended later than another's). Each rank prints
 `RESULT {json}` at its end: its pid, the step it started at, the steps, a digest of its
-parameters and optimizer state (equal on every rank of a healthy DDP run), and of the batch it
-trained each step on.
+parameters and optimizer state (equal on every rank of a healthy DDP run), of the batch it
+trained each micro-batch on ("STEP.MICRO"), and of the gradients each optimizer step applied.
 """
 
 import json
 import os
 import signal
 import sys
+from typing import Any
 
 import torch
 import xscale
@@ -26,7 +31,11 @@ DIE_AT = int(os.environ.get("DIE_AT", "-1"))
 DIE_RANK = int(os.environ.get("DIE_RANK", "-1"))
 REPLACEMENT = "XSCALE_RECOVERY_JOIN" in os.environ  # it does not die again
 DIE_HOW = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[os.environ.get("DIE_HOW", "kill")]
+DIE_MICRO = int(os.environ.get("DIE_MICRO", "0"))
 HOLD_RANK = int(os.environ.get("HOLD_RANK", "-1"))
+ACCUMULATION = int(os.environ.get("ACCUMULATION", "1"))
+PREPARED = os.environ.get("FORM", "loop") == "prepared"
+CHECKPOINT_EVERY = int(os.environ.get("CHECKPOINT_EVERY", "0"))
 
 
 def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
@@ -36,6 +45,82 @@ def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     for state in optimizer.state.values():
         tensors += [value for value in state.values() if torch.is_tensor(value)]
     return float(sum(tensor.double().sum() for tensor in tensors))
+
+
+class Watch:
+    """What the rank trained: the step it started at, each micro-batch's batch ("STEP.MICRO";
+    a dropped step's are drawn again, and replaced), each applied step's gradients."""
+
+    def __init__(self, loop: xscale.Loop, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        self.loop, self.model, self.started_at = loop, model, loop.step
+        self.trained: dict[str, float] = {}
+        self.gradients: dict[int, float] = {}
+        optimizer.register_step_pre_hook(self.applied)  # after xscale's: they run in order
+
+    def batch(self, micro: int, features: torch.Tensor) -> None:
+        self.trained[f"{self.loop.step + 1}.{micro}"] = float(features.double().sum())
+
+    def applied(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The summed gradients the step applies; none in a dropped step."""
+        present = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if present:
+            self.gradients[self.loop.step + 1] = float(sum(g.double().abs().sum()
+                                                           for g in present))
+
+    def dies_now(self, rank: int, micro: int) -> bool:
+        """Whether this rank dies now: after recording MICRO micro-batches of the step after
+        DIE_AT (0: as DIE_AT ends), or with MICRO -1 after DIE_AT's optimizer step."""
+        return (rank == DIE_RANK and micro == DIE_MICRO and not REPLACEMENT
+                and self.loop.step == (DIE_AT - 1 if micro == -1 else DIE_AT))
+
+
+def with_loop(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Optimizer,
+              loader: Any) -> Watch:
+    """The explicit form: the loop hands out the micro-batches and counts them (loop._micro:
+    the test reads the loop's own count)."""
+    loop = xscale.Loop(ctx, loader, model=model, optimizer=optimizer, max_steps=MAX_STEPS,
+                       output_dir=sys.argv[1], log_every=5, name="live",
+                       accumulation=ACCUMULATION, checkpoint_every=CHECKPOINT_EVERY)
+    watch = Watch(loop, model, optimizer)
+    for _, (features, target) in loop.batches():
+        watch.batch(loop._micro, features)
+        with loop.sync_gradients(model):
+            loss = nn.functional.mse_loss(model(features), target)
+            loss.backward()
+        if loop.boundary:
+            optimizer.step()
+            optimizer.zero_grad()
+            if ctx.rank == HOLD_RANK and loop.step + 1 == DIE_AT and not REPLACEMENT:
+                links.link().broken.wait(timeout=60)
+            if watch.dies_now(ctx.rank, -1):
+                os.kill(os.getpid(), DIE_HOW)
+        loop.record(loss, len(features))
+        if watch.dies_now(ctx.rank, loop._micro):
+            os.kill(os.getpid(), DIE_HOW)
+    loop.finish()
+    return watch
+
+
+def prepared(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Optimizer,
+             loader: Any) -> Watch:
+    """The short form: the script counts its micro-batches itself and steps the optimizer
+    every ACCUMULATION of them (DDP all-reduces each: no no_sync here)."""
+    model, optimizer, loader = xscale.prepare(model, optimizer, loader, max_steps=MAX_STEPS,
+                                              output_dir=sys.argv[1], log_every=5,
+                                              accumulation=ACCUMULATION)
+    watch = Watch(loader._run.loop, model, optimizer)  # the test reads the loop's step
+    for index, (features, target) in enumerate(loader):
+        micro = index % ACCUMULATION
+        watch.batch(micro, features)
+        loss = nn.functional.mse_loss(model(features), target)
+        loss.backward()
+        if micro == ACCUMULATION - 1:
+            optimizer.step()
+            optimizer.zero_grad()
+        if watch.dies_now(ctx.rank, (micro + 1) % ACCUMULATION):
+            os.kill(os.getpid(), DIE_HOW)
+    return watch
 
 
 def main() -> None:
@@ -48,26 +133,14 @@ def main() -> None:
                                                   nn.ReLU(), nn.Linear(64, 1)))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = xscale.loader(data, ctx, batch_size=16, workers=1)
-    loop = xscale.Loop(ctx, loader, model=model, optimizer=optimizer, max_steps=MAX_STEPS,
-                       output_dir=sys.argv[1], log_every=5, name="live")
-    started_at, trained = loop.step, {}
-    for _, (features, target) in loop.batches():
-        trained[loop.step + 1] = float(features.double().sum())  # a dropped step's is replaced
-        loss = nn.functional.mse_loss(model(features), target)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if ctx.rank == HOLD_RANK and loop.step + 1 == DIE_AT and not REPLACEMENT:
-            links.link().broken.wait(timeout=60)
-        loop.record(loss, len(features))
-        if ctx.rank == DIE_RANK and loop.step == DIE_AT and not REPLACEMENT:
-            os.kill(os.getpid(), DIE_HOW)
-    loop.finish()
-    print("RESULT " + json.dumps({"rank": ctx.rank, "pid": os.getpid(), "started_at": started_at,
-                                  "steps": loop.step, "digest": digest(model, optimizer),
-                                  "trained": trained}),
+    watch = (prepared if PREPARED else with_loop)(ctx, model, optimizer, loader)
+    print("RESULT " + json.dumps({"rank": ctx.rank, "pid": os.getpid(),
+                                  "started_at": watch.started_at, "steps": watch.loop.step,
+                                  "digest": digest(model, optimizer), "trained": watch.trained,
+                                  "gradients": watch.gradients}),
           flush=True)
-    loop.report()
+    if not PREPARED:
+        watch.loop.report()  # prepare's loop wrote its summary at its last step
 
 
 if __name__ == "__main__":

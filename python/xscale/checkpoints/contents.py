@@ -14,6 +14,7 @@ from torch import nn
 from xscale.checkpoints import every_rank
 from xscale.checkpoints.files import ranks_agree_on, read_newest, warn_unreadable
 from xscale.dist import unwrap
+from xscale.reductions import all_gather_objects
 
 
 def rng_state() -> dict[str, Any]:
@@ -48,13 +49,9 @@ def _as_python_state(value: Any) -> tuple:
 
 def gather_rng_states() -> list[dict[str, Any]]:
     """Every rank's generators, on every rank (ranks draw different augmentations, so each
-    resumes its own stream)."""
-    mine = rng_state()
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [mine]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, mine)
-    return states
+    resumes its own stream). A collective that a lost peer ends at once under live recovery
+    (xscale.recovery.link.GroupBroken)."""
+    return all_gather_objects(rng_state())
 
 
 def training_state(

@@ -1,12 +1,13 @@
-"""Live recovery of a DDP model in xscale.Loop, one micro-batch per step: the first kind of
-training that implements xscale.recovery.protocol.Recoverable (docs/FAILURES.md, "Live
-recovery").
+"""Live recovery of a DDP model in xscale.Loop: the first kind of training that implements
+xscale.recovery.protocol.Recoverable (docs/FAILURES.md, "Live recovery").
 
 - DDP's gradient all-reduce goes through a comm hook whose future this module completes: with
   the sum when the all-reduce ends, or with the local gradients when it fails or the
   coordinator says ABORT. A failure therefore never raises in the script's own lines;
   `optimizer.step()` then finds no gradients (a step pre-hook drops them) and changes nothing,
-  and the loop recovers without counting the step.
+  and the loop recovers without counting the step. With several micro-batches per step, the
+  all-reduce of the last one is the step's only collective but for the buffers' broadcast, so
+  a step broken earlier runs to its end alone and is dropped the same way.
 - DDP's buffer broadcast at each forward is done by the loop before it hands out a batch
   (before_batch), abortably, like the loop's own collectives (xscale.recovery.link.wait).
 - The state is replicated: the lowest surviving rank sends the model, the optimizer and the
@@ -55,7 +56,7 @@ def prepare_replacement() -> None:
     DDP.__init__ = init
 
 
-def why_not(model: nn.Module, optimizer: Any, accumulation: int) -> str | None:
+def why_not(model: nn.Module, optimizer: Any) -> str | None:
     """Why this loop's training cannot be recovered as a DDP model; None: it can."""
     if xdist.is_sharded(model):
         return ("the model is sharded (FSDP2): a lost rank's shard is held by no other rank, "
@@ -66,9 +67,6 @@ def why_not(model: nn.Module, optimizer: Any, accumulation: int) -> str | None:
                 "DistributedDataParallel, whose gradient all-reduce live recovery takes over")
     if optimizer is None:
         return "the loop was given no optimizer (Loop(optimizer=...)) whose step it can drop"
-    if accumulation != 1:
-        return (f"the loop accumulates {accumulation} micro-batches per step; a dropped step's "
-                "earlier micro-batches cannot be done again")
     return None
 
 

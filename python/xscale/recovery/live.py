@@ -65,14 +65,14 @@ class Live:
         self.link.close()
 
 
-def for_loop(ctx: DistContext, model: nn.Module, optimizer: Any,
-             accumulation: int) -> tuple[Live | None, str | None]:
+def for_loop(ctx: DistContext, model: nn.Module,
+             optimizer: Any) -> tuple[Live | None, str | None]:
     """A loop's live recovery when the coordinator is there and a kind serves its model; else
     None, and why not (None as well without the coordinator: nothing to say)."""
     link = links.link()
     if link is None:
         return None, None
-    why = ddp.why_not(model, optimizer, accumulation)
+    why = ddp.why_not(model, optimizer)
     if why is not None:
         link.not_live(why)
         return None, why
