@@ -606,8 +606,10 @@ class Loop:
         if self.live is None:
             return
         mid_step = self._handed_out > 0
-        if mid_step and self.live.broken:
-            return  # the step is dropped at its end; no collective on a broken group till then
+        if self.live.broken:  # in the script's lines since the last batch (an evaluation)
+            if not mid_step:
+                self._recover()
+            return  # mid-step: dropped at its end; no collective on a broken group till then
         try:
             self.live.before_batch()
         except GroupBroken:

@@ -20,6 +20,7 @@ from xscale import staging
 from xscale.checkpoints import cadence
 from xscale.dist import DistContext, collective_device, is_sharded
 from xscale.lifecycle import UserError
+from xscale.recovery.link import GroupBroken
 from xscale.reductions import SumMeter, mean
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -248,6 +249,15 @@ def _forwards_of_the_busiest(batches: Iterable) -> int:
     return int(most)
 
 
+def _cut_short() -> dict[str, float]:
+    """A rank was lost while the others evaluated between two steps of a run with live
+    recovery: this evaluation is lost, and xscale.Loop recovers before its next batch."""
+    if dist.get_rank() == 0:
+        print("xscale: an evaluation was cut short by a lost rank: its loss and accuracy are "
+              "NaN, and live recovery follows (docs/FAILURES.md)", flush=True)
+    return {"loss": float("nan"), "accuracy": float("nan"), "samples": 0}
+
+
 def evaluate_classifier(
     model: nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -258,6 +268,7 @@ def evaluate_classifier(
 
     Returns loss, accuracy and samples (the total over ranks), identical on every rank. For a
     sharded model BATCHES must have a len (a DataLoader's): every rank runs as many forwards.
+    Under live recovery a rank lost meanwhile gives NaN and 0 samples (_cut_short).
     """
     was_training = model.training
     model.eval()
@@ -280,7 +291,10 @@ def evaluate_classifier(
         for _ in range(owed):
             model(empty)
     model.train(was_training)
-    sums = meter.reduce()
+    try:
+        sums = meter.reduce()
+    except GroupBroken:
+        return _cut_short()
     return {
         "loss": mean(sums, "loss_sum", "samples"),
         "accuracy": mean(sums, "correct", "samples"),

@@ -5,7 +5,9 @@ in DIE_RANK kills itself (SIGKILL, as a crashed node's processes die) or stops (
 frozen node's) when its step DIE_AT is recorded, in the way DIE_HOW says, or DIE_MICRO
 micro-batches into the step after it, or (DIE_MICRO=-1) after its optimizer step of DIE_AT but
 before recording it, so that the others meet its loss in the step's checkpoint (every
-CHECKPOINT_EVERY steps; none by default). The rank in HOLD_RANK, at that step, waits after its
+CHECKPOINT_EVERY steps; none by default). After step EVALUATE_AT every rank evaluates the model
+(xscale.vision.evaluate_classifier, as a one-class classifier: its accuracy is 1, or NaN when
+the evaluation was cut short). The rank in HOLD_RANK, at that step, waits after its
 optimizer step until the group is known broken, so that it recovers a step behind the others
 (as a survivor does whose ring all-reduce ended later than another's). Each rank prints
 `RESULT {json}` at its end: its pid, the step it started at, the steps, a digest of its
@@ -14,6 +16,7 @@ trained each micro-batch on ("STEP.MICRO"), and of the gradients each optimizer 
 """
 
 import json
+import math
 import os
 import signal
 import sys
@@ -24,6 +27,7 @@ import xscale
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
+from xscale import vision
 from xscale.recovery import link as links
 
 MAX_STEPS = int(os.environ.get("MAX_STEPS", "120"))
@@ -36,6 +40,7 @@ HOLD_RANK = int(os.environ.get("HOLD_RANK", "-1"))
 ACCUMULATION = int(os.environ.get("ACCUMULATION", "1"))
 PREPARED = os.environ.get("FORM", "loop") == "prepared"
 CHECKPOINT_EVERY = int(os.environ.get("CHECKPOINT_EVERY", "0"))
+EVALUATE_AT = int(os.environ.get("EVALUATE_AT", "-1"))
 
 
 def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
@@ -56,6 +61,7 @@ class Watch:
         self.loop, self.model, self.started_at = loop, model, loop.step
         self.trained: dict[str, float] = {}
         self.gradients: dict[int, float] = {}
+        self.evaluated: dict[int, float | None] = {}
         optimizer.register_step_pre_hook(self.applied)  # after xscale's: they run in order
 
     def batch(self, micro: int, features: torch.Tensor) -> None:
@@ -67,6 +73,14 @@ class Watch:
         if present:
             self.gradients[self.loop.step + 1] = float(sum(g.double().abs().sum()
                                                            for g in present))
+
+    def evaluate(self, ctx: xscale.Context) -> None:
+        """The model as a one-class classifier over 64 samples (None: NaN, cut short)."""
+        inputs = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+        data = TensorDataset(inputs, torch.zeros(64, dtype=torch.long))
+        batches = xscale.eval_loader(data, ctx, batch_size=16)
+        accuracy = vision.evaluate_classifier(self.model, batches, ctx.device)["accuracy"]
+        self.evaluated[self.loop.step] = None if math.isnan(accuracy) else accuracy
 
     def dies_now(self, rank: int, micro: int) -> bool:
         """Whether this rank dies now: after recording MICRO micro-batches of the step after
@@ -98,6 +112,8 @@ def with_loop(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Opti
         loop.record(loss, len(features))
         if watch.dies_now(ctx.rank, loop._micro):
             os.kill(os.getpid(), DIE_HOW)
+        if loop.step == EVALUATE_AT and loop._micro == 0 and not REPLACEMENT:
+            watch.evaluate(ctx)
     loop.finish()
     return watch
 
@@ -137,7 +153,8 @@ def main() -> None:
     print("RESULT " + json.dumps({"rank": ctx.rank, "pid": os.getpid(),
                                   "started_at": watch.started_at, "steps": watch.loop.step,
                                   "digest": digest(model, optimizer), "trained": watch.trained,
-                                  "gradients": watch.gradients}),
+                                  "gradients": watch.gradients,
+                                  "evaluated": watch.evaluated}),
           flush=True)
     if not PREPARED:
         watch.loop.report()  # prepare's loop wrote its summary at its last step
