@@ -20,7 +20,7 @@ from xscale import staging
 from xscale.checkpoints import cadence
 from xscale.dist import DistContext, collective_device, is_sharded
 from xscale.lifecycle import UserError
-from xscale.recovery.link import GroupBroken
+from xscale.recovery import link as links
 from xscale.reductions import SumMeter, mean
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -268,7 +268,8 @@ def evaluate_classifier(
 
     Returns loss, accuracy and samples (the total over ranks), identical on every rank. For a
     sharded model BATCHES must have a len (a DataLoader's): every rank runs as many forwards.
-    Under live recovery a rank lost meanwhile gives NaN and 0 samples (_cut_short).
+    Under live recovery, during the training, a rank lost meanwhile gives NaN and 0 samples
+    (_cut_short).
     """
     was_training = model.training
     model.eval()
@@ -293,7 +294,9 @@ def evaluate_classifier(
     model.train(was_training)
     try:
         sums = meter.reduce()
-    except GroupBroken:
+    except links.GroupBroken:
+        if not links.recovering():
+            raise  # after the training, or in a loop live recovery cannot serve: the end
         return _cut_short()
     return {
         "loss": mean(sums, "loss_sum", "samples"),

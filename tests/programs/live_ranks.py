@@ -1,18 +1,22 @@
 """A rank of a small DDP training through xscale.Loop, or with FORM=prepared xscale.prepare's
 short form (a BatchNorm layer, Adam, one DataLoader worker), for live recovery's tests:
-MAX_STEPS steps of ACCUMULATION micro-batches each; the rank
-in DIE_RANK kills itself (SIGKILL, as a crashed node's processes die) or stops (SIGSTOP, as a
-frozen node's) when its step DIE_AT is recorded, in the way DIE_HOW says, or DIE_MICRO
-micro-batches into the step after it, or (DIE_MICRO=-1) after its optimizer step of DIE_AT but
-before recording it, so that the others meet its loss in the step's checkpoint (every
-CHECKPOINT_EVERY steps; none by default). After step EVALUATE_AT every rank evaluates the model
-(xscale.vision.evaluate_classifier, as a one-class classifier: its accuracy is 1, or NaN when
-the evaluation was cut short). The rank in HOLD_RANK, at that step, waits after its
-optimizer step until the group is known broken, so that it recovers a step behind the others
-(as a survivor does whose ring all-reduce ended later than another's). Each rank prints
-`RESULT {json}` at its end: its pid, the step it started at, the steps, a digest of its
-parameters and optimizer state (equal on every rank of a healthy DDP run), of the batch it
-trained each micro-batch on ("STEP.MICRO"), and of the gradients each optimizer step applied.
+MAX_STEPS steps of ACCUMULATION micro-batches each.
+
+- The rank in DIE_RANK kills itself (SIGKILL, as a crashed node's processes die) or stops
+  (SIGSTOP, as a frozen node's), as DIE_HOW says: when its step DIE_AT is recorded; or
+  DIE_MICRO micro-batches into the step after it; or, with DIE_MICRO=-1, after its optimizer
+  step of DIE_AT but before recording it, so that the others meet its loss in the step's
+  checkpoint (every CHECKPOINT_EVERY steps; none by default).
+- The rank in HOLD_RANK waits after its optimizer step of DIE_AT until the group is known
+  broken, so that it recovers a step behind the others (as a survivor does whose ring
+  all-reduce ended later than another's).
+- After step EVALUATE_AT every rank evaluates the model (xscale.vision.evaluate_classifier, as
+  a one-class classifier: its accuracy is 1, or NaN when the evaluation was cut short).
+
+Each rank prints `RESULT {json}` at its end: its pid, the step it started at, the steps, a
+digest of its parameters and optimizer state (equal on every rank of a healthy DDP run), of the
+batch it trained each micro-batch on ("STEP.MICRO"), of the gradients each optimizer step
+applied, and its evaluation's accuracy.
 """
 
 import json

@@ -52,6 +52,7 @@ class Link:
         self.store: dist.TCPStore | None = None  # the store this rank hosts, when asked
         self.on_broken: list[Callable[[], None]] = []
         self.closed = False
+        self.is_live = False  # said Live: its loop can leave a broken step and re-enter
         self.received_state = generation == 0  # a replacement's comes from the survivors
         self.send(contract.Hello(rank=rank, node=contract.node_name(), pid=os.getpid(),
                                  generation=generation))
@@ -80,6 +81,7 @@ class Link:
 
     def live(self) -> None:
         """This rank's training can leave a broken step and re-enter: recovery may be live."""
+        self.is_live = True
         self.send(contract.Live())
 
     def not_live(self, why: str) -> None:
@@ -177,6 +179,12 @@ _link: Link | None = None
 def link() -> Link | None:
     """This process's link, when the supervisor started a coordinator and it was reached."""
     return _link
+
+
+def recovering() -> bool:
+    """Whether a broken group is recovered live here: this rank's loop can re-enter
+    (Link.live) and its training is not over (Link.close)."""
+    return _link is not None and _link.is_live and not _link.closed
 
 
 def connect(rank: int, world_size: int, environ: dict | None = None) -> Link | None:
