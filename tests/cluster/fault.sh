@@ -108,10 +108,16 @@ kill_slurmd() {
   kill -KILL "$pid"
 }
 
+# SIGKILL every process in NODE's network namespace, all at once as a node fails: each is stopped
+# first, then killed. Killed one by one, on two busy cores, a rank outlived its node-mate by
+# milliseconds: long enough to answer the coordinator's ABORT, which then took it for a
+# survivor on a lost node ("a process failed, not its node") and gave up live recovery.
 crash() {
   local -a pids
   mapfile -t pids < <(ip netns pids "$1")
-  (( ${#pids[@]} )) && kill -KILL "${pids[@]}" 2>/dev/null
+  (( ${#pids[@]} )) || return 0
+  kill -STOP "${pids[@]}" 2>/dev/null
+  kill -KILL "${pids[@]}" 2>/dev/null
   return 0
 }
 
