@@ -606,7 +606,7 @@ class Loop:
         if self.live is None:
             return
         mid_step = self._handed_out > 0
-        if self.live.broken:  # in the script's lines since the last batch (an evaluation)
+        if self.live.broken:  # since the last batch: the coordinator's ABORT, an evaluation
             if not mid_step:
                 self._recover()
             return  # mid-step: dropped at its end; no collective on a broken group till then
