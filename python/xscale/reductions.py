@@ -76,6 +76,16 @@ def mean(sums: Mapping[str, float], total: str, count: str) -> float:
     return sums[total] / sums[count] if sums[count] else float("nan")
 
 
+def all_reduce_max(values: list[int]) -> list[int]:
+    """Each of VALUES at its largest over all ranks (one all_reduce; every rank passes as
+    many), ended at once by a lost peer under live recovery as all_reduce_sums is."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    packed = torch.tensor(values, dtype=torch.int64, device=collective_device())
+    links.wait(dist.all_reduce(packed, op=dist.ReduceOp.MAX, async_op=True))
+    return [int(value) for value in packed.tolist()]
+
+
 def all_gather_objects(value: Any) -> list[Any]:
     """Every rank's VALUE (picklable), in rank order, on every rank: torch's all_gather_object
     as two tensor all-gathers (the sizes, then the padded bytes) whose waits a lost peer ends

@@ -605,16 +605,16 @@ class Loop:
         step is dropped (the group is broken), and the recovery comes at the step's end."""
         if self.live is None:
             return
-        mid_step = self._handed_out > 0
-        if self.live.broken:  # since the last batch: the coordinator's ABORT, an evaluation
-            if not mid_step:
-                self._recover()
-            return  # mid-step: dropped at its end; no collective on a broken group till then
-        try:
-            self.live.before_batch()
-        except GroupBroken:
-            if not mid_step:
-                self._recover()
+        # Broken since the last batch (the coordinator's ABORT, an evaluation): no collective
+        # on the broken group.
+        if not self.live.broken:
+            try:
+                self.live.before_batch()
+                return
+            except GroupBroken:
+                pass
+        if self._handed_out == 0:
+            self._recover()  # between steps; mid-step, the step is dropped at its end
 
     def _recover(self) -> None:
         """Leave the broken group and train on in the next, the lost node's ranks replaced,

@@ -18,10 +18,10 @@ from torch import nn
 
 from xscale import staging
 from xscale.checkpoints import cadence
-from xscale.dist import DistContext, collective_device, is_sharded
+from xscale.dist import DistContext, is_sharded
 from xscale.lifecycle import UserError
 from xscale.recovery import link as links
-from xscale.reductions import SumMeter, mean
+from xscale.reductions import SumMeter, all_reduce_max, mean
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -217,12 +217,8 @@ def per_rank(total: int, ctx: DistContext, option: str) -> int:
 
 def _ranks_per_node_range(ctx: DistContext) -> tuple[int, int]:
     """(fewest, most) ranks on any node of the job."""
-    if not dist.is_initialized():
-        return ctx.local_world_size, ctx.local_world_size
-    both = torch.tensor([-ctx.local_world_size, ctx.local_world_size],
-                        device=collective_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return -int(both[0]), int(both[1])
+    minus_fewest, most = all_reduce_max([-ctx.local_world_size, ctx.local_world_size])
+    return -minus_fewest, most
 
 
 def autocast(device: torch.device, amp: str) -> Callable[[], AbstractContextManager]:
@@ -244,9 +240,7 @@ def _forwards_of_the_busiest(batches: Iterable) -> int:
     first: a sharded model's forward is a collective (FSDP2 gathers each unit's weights from
     every rank), and the ranks' shares of a data set differ by up to a batch, so a rank that
     runs out goes on with forwards on an empty batch until it has run as many."""
-    most = torch.tensor([len(batches)], device=collective_device())
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return int(most)
+    return all_reduce_max([len(batches)])[0]
 
 
 def _cut_short() -> dict[str, float]:
