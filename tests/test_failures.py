@@ -366,22 +366,29 @@ def check_resumed_without(text: str, bad: str) -> dict:
 
 def test_a_rank_that_exits_3_is_named_first_and_its_job_is_neither_restarted_nor_retried(
         cluster, mnist_data, tmp_path):
-    """A bug in the trainer: a spare is no cure for it, and neither is a requeue."""
+    """A failure of the rank's own where starting it again is off (XSCALE_MAX_RANK_RESTARTS=0;
+    a bug that comes back at every try ends the same way, tests/test_recovery.py): a spare is
+    no cure for it, and neither is a requeue."""
     job_id, _, output = submit_with_a_spare(cluster, mnist_data, tmp_path,
                                             PATH=f"{FAULTY_PYTHON}:{tool_env()['PATH']}",
-                                            XSCALE_TEST_FAULT="1:exit:3")
+                                            XSCALE_TEST_FAULT="1:exit:3",
+                                            XSCALE_MAX_RANK_RESTARTS="0")
     try:
         state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)
     text = output.read_text()
-    node_of = {record["rank"]: record["node"] for record in rank_records(text)}
+    # Its process ended before its summary: its node is the one srun names.
+    node = re.search(r"^srun: error: (\S+): task 2: Exited with exit code 3$", text, re.M)
     report = [line for line in text.splitlines() if line.startswith("xscale: ")]
     first = next(line for line in report if line.startswith("xscale: first failure"))
-    assert first == f"xscale: first failure: rank 2 on {node_of[2]}: exited with exit code 3"
+    assert node and first == f"xscale: first failure: rank 2 on {node[1]}: exited with exit code 3"
     knock_on = next(line for line in report if line.startswith("xscale: knock-on"))
     assert knock_on.startswith("xscale: knock-on: 5 ranks ended after it"), knock_on
-    assert "ranks 0-1,3-5" in knock_on, knock_on
+    # Each ended on the coordinator's word (live recovery is not possible: exit status 75).
+    named = [part.partition(" on ")[0].split()[-1] for part in knock_on.split("; ")]
+    assert sorted(named) == ["0-1", "3", "4-5"], knock_on
+    assert knock_on.count("exited with exit code 75") == 3, knock_on
     assert report[-2].startswith("xscale: blame: no node"), text[-3000:]
     assert report[-1].startswith("xscale: goodput: "), text[-3000:]  # as the job ends
     assert (state, job_fields(job_id)["Restarts"]) == ("FAILED", "0")
@@ -456,9 +463,14 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
         subprocess.run(["scancel", job_id], timeout=30, check=False)
     text = output.read_text()
     print(f"rank 3 frozen, XSCALE_TIMEOUT_S={timeout_s}: the report came {took:.1f} s later")
-    # The others gave up at XSCALE_TIMEOUT_S, in gloo's words (NCCL's watchdog says "collective
-    # operation timeout"), and --kill-on-bad-exit ended the frozen rank with them.
-    assert f"Timed out waiting {timeout_s * 1000}ms" in text
+    # A rank's collective timed out at XSCALE_TIMEOUT_S (gloo's words; NCCL's watchdog says
+    # "collective operation timeout") while rank 3 stayed silent: a hang, which live recovery
+    # leaves to the report; its coordinator ended the step, the frozen rank with it, once the
+    # hang watch had read rank 3's stack.
+    assert re.search(r"^xscale: live recovery: not possible: rank [0-2]'s collective timed out "
+                     r"and rank 3 on nid002 never came: a hung process", text, re.M), text[-4000:]
+    assert "xscale: live recovery: rank 3 on nid002 has not ended; ending the launch's step" \
+        in text, text[-4000:]
     report = [line for line in text.splitlines() if line.startswith("xscale: ")]
     first = next(line for line in report if line.startswith("xscale: first failure"))
     # Which of ranks 0-2 dumped a record before srun ended them after the first timeout is a
@@ -614,6 +626,53 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_falls_back_to_the_re
     print(f"{nodes[1]} crashed: the group re-formed {recovery['joined_s']:.1f} s after the "
           f"failure was noticed (left {recovery['left_s']:.2f} s); a logged step "
           f"{first_after - crashed_at:.1f} s after the crash; {goodput_line}")
+
+
+def test_a_killed_rank_starts_again_on_its_own_node_and_the_others_train_on(
+        cluster, mnist_data, tmp_path):
+    """jobs/lumi/mnist.sbatch, 3 x 2 ranks, no spare. kill -9 of rank 3's process, not of its
+    node: its node-mate answers the coordinator, so the node runs and the rank failed on its
+    own. It starts again on its node (a step of one task beside the launch's), takes the state
+    from a survivor, and the five other ranks keep their processes; no step is redone, no node
+    is blamed, and the job completes in its first launch."""
+    out_dir, output = tmp_path / "out", tmp_path / "job.out"
+    job_env = virtual_env(tmp_path, DATA=str(mnist_data), OUTPUT_DIR=str(out_dir),
+                          MAX_STEPS=str(SPARE_STEPS))
+    job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", str(SPARE_EVERY), "--log-every",
+                            str(SPARE_LOG_EVERY), "--epochs", "1000", env=job_env,
+                            output=output, sbatch_options=(*VIRTUAL, "--nodes=3"))
+    progress = out_dir / "xscale-records" / "attempt0-launch1.progress"
+    try:
+        wait_for(lambda: past_step(progress, SPARE_LOG_EVERY), 240, "training under way")
+        before = trainer_pids(job_id)
+        node = job_processes(job_id)[before[3]]["SLURMD_NODENAME"]
+        killed_at = time.time()
+        os.kill(before[3], signal.SIGKILL)
+        wait_for(lambda: "rank 3 started again on its node" in output.read_text(), 120,
+                 "the rank started again")
+        after = trainer_pids(job_id)
+        restarted_on = job_processes(job_id)[after[3]]["SLURMD_NODENAME"]
+        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    assert f"xscale: live recovery: rank 3 on {node} (pid {before[3]}) is gone" in text, text
+    assert f"xscale: live recovery: rank 3 starts again on {node}, its node" in text, text
+    assert all(after[rank] == before[rank] for rank in (0, 1, 2, 4, 5)), (before, after)
+    assert (after[3] != before[3], restarted_on) == (True, node), (before, after, restarted_on)
+    events = [json.loads(line) for line in progress.read_text().splitlines()
+              if line.endswith("}")]
+    steps = [event["step"] for event in events if event["event"] == "interval"]
+    assert steps == sorted(set(steps)) and steps[-1] == SPARE_STEPS, steps
+    (launch,) = json.loads((out_dir / "xscale-records" / "attempt0.json").read_text())["launches"]
+    (recovery,) = launch["recoveries"]
+    assert (recovery["lost"], recovery["spares"], recovery["restarted"]) == ([], [], [3])
+    assert "xscale: blame:" not in text and "first failure" not in text, text[-4000:]
+    assert job_fields(job_id)["Restarts"] == "0"
+    first_after = min(event["time"] for event in events if event["time"] > killed_at)
+    print(f"rank 3 killed: the group re-formed {recovery['joined_s']:.1f} s after the failure "
+          f"was noticed; a logged step {first_after - killed_at:.1f} s after the kill")
 
 
 def test_retries_stop_at_xscale_max_retries(cluster, tmp_path):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -59,6 +61,28 @@ def test_a_plain_ddp_script_of_ones_own_runs_as_a_job(cluster, tmp_path: Path):
                         r"[\d.]+ min allocated, 1 launch, 0 failed, 0 restarted, 0 requeued",
                         ending[0]), ending
     assert "docs/FAILURES.md" in ending[1] and "XSCALE_PROGRESS" in ending[1], ending
+
+
+def test_a_rank_of_a_plain_script_that_dies_ends_its_launch(cluster, tmp_path: Path):
+    """Under the supervisor the launch's srun leaves a task's end to live recovery's coordinator
+    (--kill-on-bad-exit=0), but a script without xscale never reaches it: rank 1 killed, the
+    coordinator, told by srun's line, ends the step as --kill-on-bad-exit would have, rather
+    than leave the others to their collective's timeout (NCCL's may not notice a lost peer)."""
+    output = tmp_path / "job.out"
+    job_id = cluster.submit(JOB, OWN_DDP, "--epochs", "100000", output=output,
+                            env={"OUTPUT_DIR": str(tmp_path / "out")})
+    try:
+        pids = wait_for(lambda: len(ranks := trainer_pids(job_id)) == 4 and ranks, 240,
+                        "four ranks training")
+        os.kill(pids[1], signal.SIGKILL)
+        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 240)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    text = output.read_text()
+    assert state == "FAILED", text[-4000:]
+    assert re.search(r"^xscale: live recovery: not possible: rank 1 ended \((Killed|Exited with "
+                     r"exit code 137)\) and never reached the coordinator", text, re.M), text
+    assert "xscale: first failure: rank 1 on " in text, text[-4000:]
 
 
 def test_stale_rank_variables_stop_every_rank_before_it_waits(cluster):

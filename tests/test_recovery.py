@@ -171,6 +171,64 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
     assert coordinator.finished(wait_s=5.0)
 
 
+@pytest.mark.parametrize("how", ["killed-once", "raises-every-time"])
+def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_too_often(
+        tmp_path: Path, how: str):
+    """Ranks 0 and 1 on node n0, rank 2 on n1. Rank 1 fails on its own, its node-mate lives:
+    the coordinator starts it again on n0 (restart()), not on a spare. Killed once, it joins and
+    every replica ends equal; raising at the same step in every process (a bug), it is started
+    again XSCALE_MAX_RANK_RESTARTS times, and the next failure stops the launch with one line
+    naming the rank, the step and the error's first line."""
+    host_side = host_module("coordinator")
+    port, restarts, gave_up = free_port(), [], []
+    steps = MICRO_BATCHES
+
+    def start(rank: int, node: str, **extra: str) -> subprocess.Popen:
+        env = rank_env(rank, 3, port, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
+                       DIE_AT=str(DIE_AT), DIE_RANK="1",
+                       DIE_HOW="kill" if how == "killed-once" else "raise",
+                       XSCALE_RECOVERY=coordinator.address, **extra)
+        return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def restart(ranks: list[int], generation: int) -> None:
+        assert ranks == [1], ranks
+        restarts.append(start(1, "n0", XSCALE_RECOVERY_JOIN=str(generation)))
+
+    coordinator = host_side.Coordinator(3, lambda nodes, generation: None, gave_up.append,
+                                        heartbeat_s=30.0, restart=restart, max_rank_restarts=2)
+    coordinator.start()
+    try:
+        ranks = [start(rank, node) for rank, node in enumerate(["n0", "n0", "n1"])]
+        survivors = [ranks[0].communicate(timeout=180), ranks[2].communicate(timeout=60)]
+        ranks[1].wait(timeout=60)
+        ended = [proc.communicate(timeout=60) for proc in restarts]
+    finally:
+        coordinator.stop()
+        for proc in [*ranks, *restarts]:
+            proc.kill()
+    if how == "killed-once":
+        assert (ranks[1].returncode, len(restarts), gave_up) == (-9, 1, []), survivors[0][1]
+        records = results_of([(proc.returncode, out, err) for proc, (out, err) in
+                              zip([ranks[0], ranks[2], restarts[0]], [*survivors, ended[0]],
+                                  strict=True)])
+        assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
+            (0, 0, steps), (2, 0, steps), (1, DIE_AT, steps)], records
+        assert len({r["digest"] for r in records}) == 1, records
+        (entry,) = coordinator.saved()
+        assert (entry["lost"], entry["spares"], entry["restarted"]) == ([], [], [1]), entry
+        return
+    # Three failures at one step, two restarts: the third ends the launch.
+    assert len(restarts) == 2, (gave_up, survivors[0][1][-3000:])
+    assert gave_up == [f"rank 1 on n0 failed 3 times at step {DIE_AT} (XSCALE_MAX_RANK_RESTARTS="
+                       f"2): a bug, not bad luck; the first time: RuntimeError: rank 1 cannot "
+                       f"train step {DIE_AT + 1}"], gave_up
+    assert [proc.returncode for proc in (ranks[0], ranks[2])] == [rank_link.FALLBACK_EXIT] * 2
+    assert all(proc.returncode not in (0, rank_link.FALLBACK_EXIT)
+               for proc in (ranks[1], *restarts)), [ranks[1].returncode, *restarts]
+    assert len(coordinator.saved()) == 2, coordinator.saved()
+
+
 def hello(rank: int) -> bytes:
     """A fake rank's first message, as xscale.recovery.link's Link sends it (pid: the rank)."""
     return contract.encode(contract.Hello(rank=rank, node=f"n{rank}", pid=rank, generation=0))

@@ -147,9 +147,14 @@ def test_a_replacement_step_takes_the_lost_nodes_ranks(tmp_path):
              "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "nid[001-004]"}
     env = print_env(base_env(tmp_path, XSCALE_REPLACEMENT="1/3", **slurm))
     assert layout(env) == [3, 6, 1, 2, 1, 3]
-    for bad in ("1", "3/3", "a/3"):
+    for bad in ("1", "3/3", "a/3", "1/3:1", "1/3:1/2"):  # the last: one rank, in a 2-task step
         assert_user_error(run(["true"], base_env(tmp_path, XSCALE_REPLACEMENT=bad, **slurm)),
                           "XSCALE_REPLACEMENT")
+    # A rank started again on its own node: a step of one task, local rank 1 of 2 there.
+    alone = dict(slurm, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="1",
+                 SLURM_STEP_TASKS_PER_NODE="1")
+    env = print_env(base_env(tmp_path, XSCALE_REPLACEMENT="1/3:1/2", **alone))
+    assert layout(env) == [3, 6, 1, 2, 1, 3]
 
 
 def test_batch_shell_is_not_a_slurm_rank(tmp_path):

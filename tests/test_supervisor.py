@@ -299,3 +299,13 @@ def test_an_attempt_comes_back_from_its_file_as_each_transition_left_it():
     assert (again.restarts, again.excluded, again.requeue) == (1, ["nid002"],
                                                                {"why": "the time limit"})
     assert again.saved()["launches"][0]["launched"] <= again.ended
+
+
+@pytest.mark.parametrize("value", ["two", "-1", "1.5"])
+def test_a_rank_restart_limit_that_is_no_whole_number_stops_before_any_launch(tmp_path, value):
+    """XSCALE_MAX_RANK_RESTARTS is read with the other settings, at `check`, before the first
+    launch: one line and status 2, not a surprise at the first failed rank."""
+    proc = supervisor(tmp_path, "check", XSCALE_MAX_RANK_RESTARTS=value)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.startswith(f"xscale: error: XSCALE_MAX_RANK_RESTARTS='{value}' ")
+    assert proc.stderr.count("\n") == 1, proc.stderr

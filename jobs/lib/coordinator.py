@@ -1,6 +1,6 @@
 """Live recovery's coordinator, on the batch host: when a node of the launch fails, its healthy
-ranks keep their processes, a spare node takes the lost node's ranks, and training goes on
-(docs/FAILURES.md, "Live recovery").
+ranks keep their processes, a spare node takes the lost node's ranks, and training goes on; when
+a rank fails on its own, it starts again on its node (docs/FAILURES.md, "Live recovery").
 
 The ranks (python/xscale/recovery/) connect to it as they start (contract.RECOVERY_VAR) and
 speak the messages contract.py types. A failure is noticed three ways: a rank whose collective
@@ -10,16 +10,19 @@ Beat for XSCALE_HEARTBEAT_S (a frozen node, which sends nothing at all). Then, i
 1. Abort to every rank: each leaves the broken group at once, not at its collective timeout,
    keeping everything it holds, and says Left. A rank that has not within LEAVE_WINDOW_S is
    lost with the others.
-2. The lost ranks must be whole nodes, every rank live (xscale.Loop with DDP: it can re-enter
-   its loop), and a spare must be left: `replace(nodes, generation)` (the supervisor's) launches
-   the lost nodes' ranks on spares, with the lost nodes' rank numbers.
+2. Every rank must be live (xscale.Loop with DDP: it can re-enter its loop). A node none of
+   whose ranks left is lost: `replace(nodes, generation)` (the supervisor's) launches its ranks
+   on spares, with its rank numbers, if a spare is left. A lost rank whose node-mates left
+   failed on its own (the node runs: they answered through it): `restart(ranks, generation)`
+   starts it again on its node, unless it failed more than `max_rank_restarts` times at that
+   step (a bug: the launch stops with the first failure's line).
 3. HostStore to the lowest surviving rank, which answers with its new store's address; Join to
    every rank of the next generation, the replacements as they arrive: the group re-forms there,
    and the replacements get the training state from that rank.
 4. Once every rank has Joined, training is under way again; the recovery is noted.
 
-Anything else (a rank's own error, a lost rank whose node lives on, a failure during a recovery,
-no spare left, a replacement that does not join within JOIN_TIMEOUT_S) is a Fallback: every
+Anything else (a rank not live, a failure during a recovery, no spare left, a rank's own failure
+too often, a replacement that does not join within JOIN_TIMEOUT_S) is a Fallback: every
 rank exits, `give_up()` ends the launch, and the supervisor does what it does without live
 recovery (docs/FAILURES.md: report, restart on a spare, or requeue).
 
@@ -31,14 +34,20 @@ Standard library only, Python 3.6: the batch host's system Python.
 """
 
 import json
+import os
+import re
+import signal
 import socket
 import socketserver
 import subprocess
 import threading
 import time
 
+import failure_report
+import hangs
 from shared import contract, hostlist, say
 
+TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")  # a collective's timeout, in gloo's words
 LEAVE_WINDOW_S = 5.0  # after Abort, for every rank that lives to say Left
 STORE_TIMEOUT_S = 30.0  # for the store's address from the rank that hosts it
 JOIN_TIMEOUT_S = 300.0  # for a replacement to start (its container, `import torch`) and join
@@ -54,7 +63,10 @@ class Peer:
         self.last_beat = now
         self.live = self.bye = self.closed = self.lost = False
         self.not_live = None  # why its training cannot be recovered live, as it said
+        self.failed = None  # its own error's first line, as it said before it ended
         self.left = self.joined = None  # the generation it last left, and joined
+        self.left_step = None  # the optimizer steps it had done when it left
+        self.timed_out = False  # its collective timed out: a peer never came
         self.send_lock = threading.Lock()
 
     def send(self, message):
@@ -63,6 +75,11 @@ class Peer:
                 self.connection.sendall(contract.encode(message))
         except OSError:
             pass  # its end shows as a closed connection
+
+    @property
+    def current_generation(self):
+        """The generation this process is in, or about to join once it left the one before."""
+        return self.generation if self.left is None else max(self.generation, self.left + 1)
 
     def __repr__(self):
         return "rank %d on %s" % (self.rank, self.node)
@@ -79,13 +96,19 @@ class Handler(socketserver.StreamRequestHandler):
 
 
 class Coordinator:
-    """WORLD_SIZE ranks, PER_NODE on each node. replace(nodes, generation): launch the ranks of
-    NODES on spares, into GENERATION; the spares, or None when none are left. give_up(why): end
-    the launch (the fallback). heartbeat_s: how long a rank may be silent."""
+    """WORLD_SIZE ranks. replace(nodes, generation): launch the ranks of NODES on spares, into
+    GENERATION; the spares, or None when none are left. restart(ranks, generation): start RANKS
+    again on their own nodes, into GENERATION; None, or why not. give_up(why): end the launch
+    (the fallback). heartbeat_s: how long a rank may be silent. max_rank_restarts: how often one
+    rank may fail on its own at one step and start again."""
 
-    def __init__(self, world_size, replace, give_up, heartbeat_s, now=time.monotonic):
+    def __init__(self, world_size, replace, give_up, heartbeat_s, restart=None,
+                 max_rank_restarts=0, now=time.monotonic):
         self.world_size, self.replace, self.give_up = world_size, replace, give_up
+        self.restart, self.max_rank_restarts = restart, max_rank_restarts
         self.heartbeat_s, self.now = heartbeat_s, now
+        self.own_failures = {}  # (rank, step) -> the first line of each failure of it there
+        self.hung = []  # ranks found silent while their node's other ranks answered
         self.peers = {}  # rank -> Peer: the current process of each rank
         self.generation = 0
         self.join = None  # the Join of the generation being formed
@@ -149,20 +172,24 @@ class Coordinator:
             elif isinstance(received, contract.NotLive):
                 peer.not_live = received.why
             elif isinstance(received, contract.Left):
-                peer.left = received.generation
+                peer.left, peer.left_step = received.generation, received.step
             elif isinstance(received, contract.Joined):
                 peer.joined = received.generation
             elif isinstance(received, contract.Store):
                 peer.store = received.address
             elif isinstance(received, contract.Bye):
                 peer.bye = True
+            elif isinstance(received, contract.Failed):
+                peer.failed = received.why
+                peer.lost = True  # it is ending: the recovery need not wait for it to leave
             self.changed.notify_all()
+        if isinstance(received, contract.Broken) and TIMED_OUT.search(received.why):
+            peer.timed_out = True  # news even while a recovery is under way: it names a hang
         if isinstance(received, contract.Broken) and not peer.bye:  # after Bye: training is over
             self._failed("rank %d's collective failed (%s)" % (peer.rank, received.why),
                          received.generation)
         elif isinstance(received, contract.Failed):
-            self.fall_back("rank %d on %s failed on its own: %s"
-                            % (peer.rank, peer.node, received.why))
+            self._failed("%s failed: %s" % (peer, received.why), peer.current_generation)
 
     def _closed(self, peer):
         with self.changed:
@@ -171,7 +198,7 @@ class Coordinator:
             self.changed.notify_all()
         if current and not (peer.bye or peer.lost):
             self._failed("rank %d on %s (pid %s) is gone" % (peer.rank, peer.node, peer.pid),
-                         peer.generation if peer.left is None else peer.left + 1)
+                         peer.current_generation)
 
     def _watch_heartbeats(self):
         while not self.fallen_back:
@@ -217,34 +244,43 @@ class Coordinator:
         for peer in lost:
             if peer is not None:
                 peer.lost = True
-        refusal = self._refusal(survivors, lost)
+        refusal = self._hang(lost) or self._refusal(survivors, lost)
         if refusal:
             self.fall_back(refusal)
             return
-        lost_nodes = sorted({peer.node for peer in lost})
-        spares = self.replace(lost_nodes, generation + 1)
-        if not spares:
+        on_their_own = self._on_their_own(survivors, lost)
+        lost_nodes = sorted({peer.node for peer in lost if peer not in on_their_own})
+        restarted = sorted(peer.rank for peer in on_their_own)
+        refusal = self._restart_refusal(on_their_own, survivors[0].left_step)
+        if refusal:
+            self.fall_back(refusal)
+            return
+        spares = self.replace(lost_nodes, generation + 1) if lost_nodes else []
+        if lost_nodes and not spares:
             self.fall_back("no spare node is left for %s" % hostlist.compress(lost_nodes))
+            return
+        refusal = self.restart(restarted, generation + 1) if restarted else None
+        if refusal:
+            self.fall_back(refusal)
             return
         launched = self.now()
         store = self._host_store(survivors[0], generation + 1)
         if store is None:
             self.fall_back("%s did not host the new group's store" % survivors[0])
             return
-        joined = self._form(generation + 1, store, survivors[0].rank, spares)
+        joined = self._form(generation + 1, store, survivors[0].rank, spares + restarted)
         if joined is None:
             return
         record = {"generation": generation + 1, "why": why, "lost": lost_nodes,
-                  "spares": spares, "ranks": sorted(peer.rank for peer in lost),
+                  "spares": spares, "restarted": restarted,
+                  "ranks": sorted(peer.rank for peer in lost),
                   "noticed": round(noticed_at, 3), "left_s": round(launched - noticed, 3),
                   "joined_s": round(joined - noticed, 3)}
         with self.changed:
             self.recoveries.append(record)
-            self.recovering = False
-        say("live recovery: %s in place of %s; the group re-formed %.1f s after the failure "
-            "was noticed (generation %d)" % (hostlist.compress(spares),
-                                            hostlist.compress(lost_nodes), joined - noticed,
-                                            generation + 1))
+        say("live recovery: %s; the group re-formed %.1f s after the failure was noticed "
+            "(generation %d)" % (what_changed(spares, lost_nodes, restarted), joined - noticed,
+                                 generation + 1))
 
     def _leavers(self, generation, deadline):
         """(the ranks that left GENERATION by DEADLINE, lowest first; the others)."""
@@ -267,11 +303,49 @@ class Coordinator:
             return "every rank left, none was lost: nothing to replace"
         if not survivors:
             return "no rank survived"
-        lost_nodes = {peer.node for peer in lost}
-        alive = [peer for peer in survivors if peer.node in lost_nodes]
-        if alive:
-            return ("%s lives on while other ranks of its node were lost: a process failed, "
-                    "not its node" % alive[0])
+        return None
+
+    def _hang(self, lost):
+        """Why this failure is a hang, or None: a rank's collective timed out, and lost ranks
+        neither ended nor said anything (a hung process). Its peers' flight records name it in
+        the report (jobs/lib/hangs.py), and it is not started again beside itself."""
+        silent = [peer for peer in lost if peer is not None and not (peer.closed or peer.failed)]
+        with self.changed:
+            waited = [peer for peer in self.peers.values() if peer.timed_out]
+        if not (silent and waited):
+            return None
+        self.hung = sorted(peer.rank for peer in silent)
+        return ("rank %d's collective timed out and %s never came: a hung process, not started "
+                "again beside itself; the report names it" % (waited[0].rank, silent[0]))
+
+    @staticmethod
+    def _on_their_own(survivors, lost):
+        """The lost ranks that failed on their own: a rank of their node survived, so the node
+        runs (the survivor answered the abort through it)."""
+        running = {peer.node for peer in survivors}
+        return [peer for peer in lost if peer.node in running]
+
+    def _restart_refusal(self, on_their_own, step):
+        """Why the ranks that failed on their own at STEP are not started again, or None. One
+        failing at the same step more than max_rank_restarts times is a bug, not bad luck."""
+        if not on_their_own:
+            return None
+        first = on_their_own[0]
+        hung = [peer for peer in on_their_own if not (peer.closed or peer.failed)]
+        if hung:
+            self.hung = sorted(peer.rank for peer in hung)
+            return ("%s sent nothing while its node's other ranks live on: a hung process is "
+                    "not started again beside itself" % hung[0])
+        if self.restart is None or not self.max_rank_restarts:
+            return ("%s failed on its own while its node's other ranks live on "
+                    "(XSCALE_MAX_RANK_RESTARTS=0: no rank is started again)" % first)
+        for peer in on_their_own:
+            tries = self.own_failures.setdefault((peer.rank, step), [])
+            tries.append(peer.failed or "its process ended")
+            if len(tries) > self.max_rank_restarts:
+                return ("%s failed %d times at step %s (XSCALE_MAX_RANK_RESTARTS=%d): a bug, "
+                        "not bad luck; the first time: %s" % (peer, len(tries), step,
+                                                              self.max_rank_restarts, tries[0]))
         return None
 
     def _not_live(self):
@@ -294,7 +368,7 @@ class Coordinator:
                                   or host.closed, timeout=STORE_TIMEOUT_S)
             return getattr(host, "store", None)
 
-    def _form(self, generation, store, source, spares):
+    def _form(self, generation, store, source, started):
         """Join for GENERATION to every rank of it; when all have joined, or None (a fallback)."""
         join = contract.Join(generation=generation, store=store, source=source)
         with self.changed:
@@ -309,9 +383,12 @@ class Coordinator:
                     peer.joined == generation for peer in self.peers.values()),
                 timeout=JOIN_TIMEOUT_S)
             self.join = None
+            # The group is whole: a failure from here on is a new one, recovered in its turn
+            # (a rank started again that fails at once, as a bug would have it).
+            self.recovering = not done
         if not done:
-            self.fall_back("the replacement ranks on %s did not join within %.0f s"
-                            % (hostlist.compress(spares), JOIN_TIMEOUT_S))
+            self.fall_back("the ranks started on %s did not join within %.0f s"
+                            % (", ".join(str(place) for place in started), JOIN_TIMEOUT_S))
             return None
         return self.now()
 
@@ -337,23 +414,42 @@ class Coordinator:
             return json.loads(json.dumps(self.recoveries))
 
 
+def what_changed(spares, lost_nodes, restarted):
+    """A recovery's new processes, in words."""
+    parts = []
+    if spares:
+        parts.append("%s in place of %s" % (hostlist.compress(spares),
+                                            hostlist.compress(lost_nodes)))
+    if restarted:
+        parts.append("rank%s %s started again on %s node" % (
+            "s" if len(restarted) > 1 else "", ",".join(str(rank) for rank in restarted),
+            "their" if len(restarted) > 1 else "its"))
+    return "; ".join(parts)
+
+
 # ---- one launch under live recovery (supervisor.py) ------------------------------------------
 
 END_GRACE_S = 10.0  # after every rank ended: how long the launch's srun may wait for lost tasks
+HANG_READ_S = 60.0  # for the hang watch to read a hung rank's stack (settle, then py-spy)
 
 
 class LiveLaunch:
     """Live recovery for one launch: its coordinator, and the replacements it starts on spare
-    nodes of ALLOCATION (jobs/lib/allocation.py) with LINE (the launch's LaunchLine), their
-    output to the job's and to LOG."""
+    nodes of ALLOCATION (jobs/lib/allocation.py) or, for a rank that failed on its own, on its
+    node, with LINE (the launch's LaunchLine), their output to the job's and to LOG. PATTERNS:
+    the lines that blame a node (jobs/lib/blame): a rank is not started again on a node they
+    blame."""
 
-    def __init__(self, allocation, line, log, heartbeat_s):
+    def __init__(self, allocation, line, log, heartbeat_s, max_rank_restarts, patterns):
         self.allocation, self.line, self.log = allocation, line, log
-        self.replacements = []
+        self.patterns = patterns
+        self.replacements = {}  # a node's index or a rank -> its newest replacement's srun
+        self.every_replacement = []  # every replacement's srun, the newest's included
         self.launch_env = {}
         self.main = None  # the launch's srun, once started
         world_size = len(allocation.launch_nodes) * allocation.per_node
-        self.coordinator = Coordinator(world_size, self._replace, self._give_up, heartbeat_s)
+        self.coordinator = Coordinator(world_size, self._replace, self._give_up, heartbeat_s,
+                                       self._restart, max_rank_restarts)
 
     def start(self):
         self.coordinator.start()
@@ -363,12 +459,16 @@ class LiveLaunch:
         return {contract.RECOVERY_VAR: self.coordinator.address}
 
     def launch_line(self, placed):
-        """The launch's srun keeps its healthy tasks when a node fails (--no-kill); a task that
-        fails on its own still ends the step (the template's --kill-on-bad-exit)."""
-        return type(placed)(placed.command, placed.options + ["--no-kill"], placed.image,
-                            placed.binds, placed.entrypoint, placed.runtime, placed.placement)
+        """The launch's srun keeps its healthy tasks when a node fails (--no-kill) or a task
+        ends (--kill-on-bad-exit=0, whatever the template said): the coordinator decides."""
+        options = [option for option in placed.options
+                   if not option.startswith("--kill-on-bad-exit")]
+        return type(placed)(placed.command, options + ["--no-kill", "--kill-on-bad-exit=0"],
+                            placed.image, placed.binds, placed.entrypoint, placed.runtime,
+                            placed.placement)
 
     def _replace(self, lost_nodes, generation):
+        self._clear_flight_records()
         spares = []
         for node in lost_nodes:
             index = self.allocation.launch_nodes.index(node)
@@ -380,33 +480,148 @@ class LiveLaunch:
                 contract.REPLACEMENT_VAR: "%d/%d" % (index, len(self.allocation.launch_nodes)),
                 contract.JOIN_VAR: str(generation)})
             say("live recovery: the ranks of %s start again on %s" % (node, spare))
-            self.replacements.append(self._start(line.argv(), env))
+            self._start(index, "the ranks of " + node, line.argv(), env)
             spares.append(spare)
         return spares
 
-    def _start(self, argv, env):
+    def _restart(self, ranks, generation):
+        """Start each of RANKS again on its own node, into GENERATION, alone in a step beside
+        the launch's: None, or why not (the launch's output blames its node)."""
+        per_node, nodes = self.allocation.per_node, self.allocation.launch_nodes
+        blamed = self._blamed(sorted({nodes[rank // per_node] for rank in ranks}))
+        if blamed:
+            return blamed
+        self._clear_flight_records()
+        for rank in ranks:
+            index, local_rank = divmod(rank, per_node)
+            line = self.line.one_rank(nodes[index], local_rank)
+            env = dict(self.launch_env, **{
+                contract.REPLACEMENT_VAR: "%d/%d:%d/%d" % (index, len(nodes), local_rank,
+                                                           per_node),
+                contract.JOIN_VAR: str(generation)})
+            say("live recovery: rank %d starts again on %s, its node" % (rank, nodes[index]))
+            self._start(("rank", rank), "rank %d" % rank, line.argv(), env)
+        return None
+
+    def _clear_flight_records(self):
+        """The survivors' flight records of a failure recovered from: a later one's are its
+        own (python/xscale/observe/flight.py, jobs/lib/hangs.py)."""
+        fr_dir = contract.launch_file(self.log, contract.FLIGHT_RECORDS)
+        for name in hangs.names_in(fr_dir):
+            if name.startswith(contract.RECORD_PREFIX) or name == contract.RELEASED:
+                try:
+                    os.remove(os.path.join(fr_dir, name))
+                except OSError:
+                    pass
+
+    def _blamed(self, nodes):
+        """Why a node of NODES is no place to start a rank again: a line of the launch's
+        output that blames it (the quick health check: its other ranks answered, so it runs),
+        or None."""
+        try:
+            with open(self.log, errors="replace") as handle:
+                log = failure_report.StepLog(handle)
+        except OSError:
+            return None
+        per_node, launch_nodes = self.allocation.per_node, self.allocation.launch_nodes
+        placement = {rank: launch_nodes[rank // per_node]
+                     for rank in range(len(launch_nodes) * per_node)}
+        blames = failure_report.pattern_blames(log, self.patterns, nodes, placement)
+        if not blames:
+            return None
+        # Not the line itself: every rank repeats the Fallback's words, and they would match.
+        return "%s is blamed by a line of its ranks' output (%s)" % (
+            blames[0].node, blames[0].reason.partition(": ")[0])
+
+    def _start(self, place, what, argv, env):
         import launches  # the supervisor's, imported here: it imports nothing of this file
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         log = open(self.log, "ab")
         threading.Thread(target=launches.copy_output, args=(proc.stdout, log),
                          daemon=True).start()
-        threading.Thread(target=self._watch_replacement, args=(proc, env), daemon=True).start()
-        return proc
+        self.replacements[place] = proc
+        self.every_replacement.append(proc)
+        threading.Thread(target=self._watch_replacement, args=(proc, place, what),
+                         daemon=True).start()
 
-    def _watch_replacement(self, proc, env):
+    def _watch_replacement(self, proc, place, what):
         """A replacement that ends before its ranks joined (no image there, no space, a bad
         node) is a fallback at once, not after JOIN_TIMEOUT_S."""
         status = proc.wait()
-        if status != 0 and self.coordinator.recovering:
-            self.coordinator.fall_back("the replacement for node %s ended with status %d "
-                                       "before its ranks joined"
-                                       % (env[contract.REPLACEMENT_VAR], status))
+        if status != 0 and self.coordinator.recovering and self.replacements[place] is proc:
+            self.coordinator.fall_back("%s, started again, ended with status %d before it "
+                                       "joined" % (what, status))
 
     def started(self, proc):
         self.main = proc
 
+    def srun_said(self, line):
+        """A line of the launch's srun. A task that ended with an error and whose rank never
+        reached the coordinator (a script that does not start through xscale) has nobody to
+        recover it, and its peers may wait in a collective until its timeout: the launch ends,
+        as the template's --kill-on-bad-exit would have ended it."""
+        ended = failure_report.TASK_EXIT.match(line)
+        if not ended or self.coordinator.fallen_back:
+            return
+        ranks = hostlist.expand_numbers(ended.group("ranks"))
+        strangers = [rank for rank in ranks if rank not in self.coordinator.peers]
+        if strangers:
+            self.coordinator.fall_back("rank %d ended (%s) and never reached the coordinator "
+                                       "(not started through xscale)"
+                                       % (strangers[0], ended.group("how").strip()))
+
+    def _tell_hang_watch(self, ranks):
+        """The hung RANKS, for the hang watch (which reads their stacks, then releases) and the
+        report; returns once the watch has released, or after HANG_READ_S."""
+        fr_dir = contract.launch_file(self.log, contract.FLIGHT_RECORDS)
+        verdict = os.path.join(fr_dir, contract.HUNG)
+        try:
+            with open(verdict, "w") as handle:
+                json.dump(ranks, handle)
+        except OSError:
+            return
+        released = os.path.join(fr_dir, contract.RELEASED)
+        deadline = time.monotonic() + HANG_READ_S
+        while time.monotonic() < deadline and not (
+                os.path.exists(released)
+                and os.stat(released).st_mtime >= os.stat(verdict).st_mtime):
+            time.sleep(WATCH_EVERY_S)
+
+    def _end_main(self):
+        """End the launch's srun and every task of its step: srun ends the step on a second
+        SIGINT within a second (srun(1), "Signals and escape sequences"); the pause keeps the
+        two signals apart (a signal pending twice is delivered once)."""
+        if self.main is not None and self.main.poll() is None:
+            for _ in range(2):
+                self.main.send_signal(signal.SIGINT)
+                time.sleep(0.1)
+
     def _give_up(self, why):
         """The ranks exit on Fallback; the launch ends with them, as a failed one does."""
+        threading.Thread(target=self._end_after_fallback, daemon=True).start()
+
+    def _end_after_fallback(self):
+        """With --kill-on-bad-exit=0 the launch's srun waits for every task: a rank hung on a
+        node whose other ranks have ended (a stopped process holds no connection closed), and
+        ranks that never reached the coordinator (they never heard the Fallback), would keep it
+        waiting for good. Once every rank that can has ended, or END_GRACE_S on, such a launch
+        is ended, as --kill-on-bad-exit would have ended it; with a hung rank, after the hang
+        watch has read its stack (jobs/lib/hangs.py). A node lost whole is Slurm's to declare
+        failed: srun then ends with its report of the node."""
+        coordinator = self.coordinator
+        if coordinator.hung:
+            self._tell_hang_watch(coordinator.hung)
+        with coordinator.changed:
+            coordinator.changed.wait_for(lambda: all(
+                peer.closed for peer in coordinator.peers.values()), timeout=END_GRACE_S)
+            peers = list(coordinator.peers.values())
+        running = {peer.node for peer in peers if peer.closed}
+        stuck = [peer for peer in peers if not peer.closed and peer.node in running]
+        if stuck or len(peers) < coordinator.world_size:
+            say("live recovery: %s; ending the launch's step" % (
+                "%s has not ended" % stuck[0] if stuck else
+                "%d ranks never reached the coordinator" % (coordinator.world_size - len(peers))))
+            self._end_main()
 
     def _end_when_done(self):
         """Once every rank has ended its training, the launch's srun may still wait for the
@@ -422,10 +637,10 @@ class LiveLaunch:
     def end(self, status):
         """The launch's status once the srun ended: 0 when, after live recoveries, every rank
         ended its training (the lost tasks' status says nothing more), else STATUS."""
-        for proc in self.replacements:
+        for proc in self.every_replacement:
             proc.wait()
         self.coordinator.stop()
         if self.coordinator.recoveries and self.coordinator.finished(wait_s=5.0) \
-                and all(proc.returncode == 0 for proc in self.replacements):
-            return 0
+                and all(proc.returncode == 0 for proc in self.replacements.values()):
+            return 0  # a rank started again and failed again was started once more
         return status

@@ -38,10 +38,19 @@ STACK_LINES = 12
 TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
 
 
+def names_in(fr_dir):
+    """What FR_DIR holds; nothing when it is not there (yet, or any more: an empty one is
+    removed as its launch ends)."""
+    try:
+        return os.listdir(fr_dir)
+    except OSError:
+        return []
+
+
 def records(fr_dir):
     """rank -> its flight record, for every record in FR_DIR (a partial one is not yet there)."""
     found = {}
-    for name in sorted(os.listdir(fr_dir)) if os.path.isdir(fr_dir) else []:
+    for name in sorted(names_in(fr_dir)):
         match = RECORD.match(name)
         if not match:
             continue
@@ -70,32 +79,70 @@ class HangWatch(threading.Thread):
         self.done.set()
 
     def run(self):
-        seen = {}
-        while not seen:
-            if self.done.wait(POLL_S):
+        examined = record_times(self.fr_dir)
+        while True:
+            seen = self.settled(examined)
+            if seen is None:
                 return
-            seen = records(self.fr_dir)
-        settled_at = time.monotonic()
-        while len(seen) < len(self.ranks) and time.monotonic() - settled_at < SETTLE_S:
-            if self.done.wait(POLL_S):
-                return
-            now = records(self.fr_dir)
-            if len(now) != len(seen):
-                seen, settled_at = now, time.monotonic()
+            if any(timed_out(record) for record in seen.values()) or hung_ranks(self.fr_dir):
+                break
+            # No rank timed out: a peer lost, no hang. The ranks that wait are let go, and the
+            # watch goes on (live recovery may re-form the group, which may hang later).
+            release(self.fr_dir, sorted(seen))
+            examined = record_times(self.fr_dir)
         job_step = next((record.get("xscale", {}).get("job_step") for record in seen.values()
                          if record.get("xscale", {}).get("job_step")), None)
         silent = [rank for rank in sorted(self.ranks) if rank not in seen][:MAX_STACKS]
         # A peer lost (its node died, it exited) is no hang: its ranks need no stack, and a
         # stack read on a dead node would hold the ranks back until STACK_TIMEOUT_S.
-        if job_step and any(timed_out(record) for record in seen.values()):
+        if job_step and (any(timed_out(record) for record in seen.values())
+                         or hung_ranks(self.fr_dir)):
             for rank in silent:
                 self.save_stack(rank, job_step)
         release(self.fr_dir, sorted(seen))
+
+    def settled(self, examined):
+        """The records once new ones (not as in EXAMINED, record_times') have come and no more
+        come; None when the step ended first."""
+        while record_times(self.fr_dir) == examined:
+            if self.done.wait(POLL_S):
+                return None
+        seen = records(self.fr_dir)
+        settled_at = time.monotonic()
+        while len(seen) < len(self.ranks) and time.monotonic() - settled_at < SETTLE_S:
+            if self.done.wait(POLL_S):
+                return None
+            now = records(self.fr_dir)
+            if len(now) != len(seen):
+                seen, settled_at = now, time.monotonic()
+        return seen
 
     def save_stack(self, rank, job_step):
         text = read_stack(self.line, self.ranks[rank], job_step, rank)
         with open("%s%d.txt" % (self.stacks_prefix, rank), "w") as handle:
             handle.write(text)
+
+
+def record_times(fr_dir):
+    """name -> modification time of each record in FR_DIR, and of the coordinator's verdict of
+    hung ranks: a record written again is news."""
+    times = {}
+    for name in names_in(fr_dir):
+        if RECORD.match(name) or name == contract.HUNG:
+            try:
+                times[name] = os.stat(os.path.join(fr_dir, name)).st_mtime
+            except OSError:
+                continue
+    return times
+
+
+def hung_ranks(fr_dir):
+    """The ranks live recovery's coordinator found hung (jobs/lib/coordinator.py), or []."""
+    try:
+        with open(os.path.join(fr_dir, contract.HUNG)) as handle:
+            return [int(rank) for rank in json.load(handle)]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 def release(fr_dir, recorded):
@@ -156,8 +203,11 @@ def read_hang(fr_dir, ranks, stacks_prefix):
     if in_time is not None:
         found = {rank: record for rank, record in found.items() if rank in in_time}
     waiting = {}  # rank -> (process group, the collective it waits in)
+    # Where live recovery's coordinator found a rank hung, its peers' records were written as
+    # they left the group it hung, not at their timeout: each tells where it waited.
+    hung = hung_ranks(fr_dir)
     for rank, record in found.items():
-        if not timed_out(record):
+        if not (timed_out(record) or hung):
             continue
         for group, status in (record.get("pg_status") or {}).items():
             waiting.setdefault(rank, (group, waited_in(status)))

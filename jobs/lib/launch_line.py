@@ -58,6 +58,14 @@ class LaunchLine:
         return LaunchLine(self.command, self.options, self.image, self.binds, self.entrypoint,
                           self.runtime, placement)
 
+    def one_rank(self, node, local_rank):
+        """This line as one task on NODE, beside the launch (--overlap), in the place of its
+        LOCAL_RANK: a --cpu-bind list of one entry per local rank keeps that rank's entry."""
+        options = [one_rank_binding(option, local_rank) for option in self.options]
+        placement = ["--nodes=1", "--ntasks=1", "--nodelist=" + node, "--overlap"]
+        return LaunchLine(self.command, options, self.image, self.binds, self.entrypoint,
+                          self.runtime, placement)
+
     def probe(self, node, program):
         """The line that runs PROGRAM once on NODE in the launch's image, beside its ranks
         (--overlap: their CPUs stay theirs); None for a line given whole."""
@@ -70,3 +78,20 @@ class LaunchLine:
     def runscripts(self):
         """Where the entrypoint's directory is, in the image (rank_stack.py is in its lib/)."""
         return os.path.dirname(self.entrypoint) if self.built else None
+
+
+LISTED_BINDINGS = ("mask_cpu:", "map_cpu:", "mask_ldom:", "map_ldom:")
+
+
+def one_rank_binding(option, local_rank):
+    """OPTION, where it is --cpu-bind=[FLAGS,]KIND:LIST with one entry per local rank, with
+    LOCAL_RANK's entry alone (srun gives a lone task the list's first); else OPTION."""
+    if not option.startswith("--cpu-bind="):
+        return option
+    value = option[len("--cpu-bind="):]
+    for kind in LISTED_BINDINGS:
+        flags, found, entries = value.partition(kind)
+        if found and entries:
+            entries = entries.split(",")
+            return "--cpu-bind=%s%s%s" % (flags, kind, entries[local_rank % len(entries)])
+    return option

@@ -46,6 +46,7 @@ class SupervisedLaunch:
         self.env, self.placement = env, placement
         self.proc = None
         self.on_start = None  # called with the launch's process once it runs
+        self.on_srun_line = None  # called with each line srun itself prints ("srun: ...")
         self.forwarded = set()
         self.fr_dir = contract.launch_file(log, contract.FLIGHT_RECORDS)
 
@@ -69,7 +70,8 @@ class SupervisedLaunch:
                 return 127
             if self.on_start is not None:
                 self.on_start(self.proc)
-            copier = threading.Thread(target=copy_output, args=(self.proc.stdout, log),
+            copier = threading.Thread(target=copy_output,
+                                      args=(self.proc.stdout, log, self.on_srun_line),
                                       daemon=True)
             copier.start()
             # A signal the batch shell got while this program started found no launch to pass
@@ -122,10 +124,18 @@ def remove_if_empty(directory):
         pass  # it holds the flight records of a failed launch
 
 
-def copy_output(pipe, log):
+def copy_output(pipe, log, on_srun_line=None):
+    """PIPE's output to the job's and to LOG as it comes; srun's own lines, whole, to
+    ON_SRUN_LINE (a str), when given."""
     out = sys.stdout.buffer
+    pending = b""
     for chunk in iter(lambda: os.read(pipe.fileno(), 1 << 16), b""):
         out.write(chunk)
         out.flush()
         log.write(chunk)
         log.flush()
+        if on_srun_line is not None:
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if line.startswith(b"srun: "):
+                    on_srun_line(line.decode(errors="replace"))

@@ -24,7 +24,8 @@ source "$XSCALE_ROOT/jobs/lib/supervise.sh"
 
 # xs_local_train CMD [ARGS...]: the training step, CMD under RUNSCRIPT on every rank; its logs in
 # OUTPUT_DIR/xscale-records. --kill-on-bad-exit=1: a rank that dies ends the step instead of
-# leaving the others hanging. --cpu-bind=none: a virtual node's 2 cores are shared by its ranks.
+# leaving the others hanging (under live recovery the supervisor's coordinator decides instead,
+# docs/FAILURES.md). --cpu-bind=none: a virtual node's 2 cores are shared by its ranks.
 xs_local_train() {
   : "${XSCALE_RECORDS_DIR:=$OUTPUT_DIR/xscale-records}"
   requeueable_launch "$SIF" "$BINDS" "/runscripts/$RUNSCRIPT" \

@@ -65,7 +65,8 @@ source "$XSCALE_ROOT/jobs/lib/supervise.sh"
 
 # xs_lumi_train CMD [ARGS...]: the training step, CMD under RUNSCRIPT in the image on every rank,
 # each on its GCD's cores; its logs in OUTPUT_DIR/xscale-records. --kill-on-bad-exit=1: a rank
-# that dies ends the step, not left hanging in a collective until the time limit.
+# that dies ends the step, not left hanging in a collective until the time limit (under live
+# recovery the supervisor's coordinator decides instead, docs/FAILURES.md).
 xs_lumi_train() {
   : "${XSCALE_RECORDS_DIR:=$OUTPUT_DIR/xscale-records}"
   requeueable_launch "$SIF" "$BINDS" "/runscripts/$RUNSCRIPT" \

@@ -70,6 +70,7 @@ class Settings:
         self.spares = xscale_settings.value("XSCALE_SPARES", env)
         self.max_restarts = xscale_settings.value("XSCALE_MAX_RESTARTS", env)
         self.live_recovery = xscale_settings.value("XSCALE_LIVE_RECOVERY", env)
+        self.max_rank_restarts = xscale_settings.value("XSCALE_MAX_RANK_RESTARTS", env)
         self.heartbeat_s = xscale_settings.value("XSCALE_HEARTBEAT_S", env)
         self.job = requeue_id(env)
         self.attempt = int(env.get("SLURM_RESTART_COUNT") or 0)  # Slurm counts the requeues
@@ -210,6 +211,7 @@ def command_launch(settings, stop_file, line):
             live.launch_env = supervised.environment()
             live.start()
             supervised.on_start = live.started
+            supervised.on_srun_line = live.srun_said
         status = supervised.execute()
         if live is not None:
             status = live.end(status)
@@ -235,12 +237,14 @@ def command_launch(settings, stop_file, line):
 
 
 def live_launch(settings, allocation, line, log):
-    """Live recovery for this launch (jobs/lib/coordinator.py), when there are spares to recover
-    with and a launch line the supervisor builds (a replacement runs its line on a spare)."""
-    if not (settings.spares and settings.live_recovery and line.built
-            and allocation.per_node and len(allocation.launch_nodes) > 1):
+    """Live recovery for this launch (jobs/lib/coordinator.py), when there is something to
+    recover with (spares, or rank restarts) and a launch line the supervisor builds (a
+    replacement runs its line on a spare, a rank started again on its node)."""
+    if not ((settings.spares or settings.max_rank_restarts) and settings.live_recovery
+            and line.built and allocation.per_node and len(allocation.launch_nodes) > 1):
         return None
-    return coordinator.LiveLaunch(allocation, line, log, settings.heartbeat_s)
+    return coordinator.LiveLaunch(allocation, line, log, settings.heartbeat_s,
+                                  settings.max_rank_restarts, settings.patterns)
 
 
 def restart(settings, attempt, allocation, blamed):

@@ -58,11 +58,12 @@ def error_line(prog: str, message: str) -> str:
 _failure_hooks: list[Callable[[BaseException], None]] = []
 
 
-def on_failure(hook: Callable[[BaseException], None]) -> None:
+def on_failure(hook: Callable[[BaseException], None], first: bool = False) -> None:
     """Have `hook(error)` run when an exception other than a UserError ends the trainer, before
-    its traceback (xscale.observe.flight's record of a failed collective)."""
+    its traceback (xscale.observe.flight's record of a failed collective); FIRST: before the
+    hooks already there."""
     if hook not in _failure_hooks:
-        _failure_hooks.append(hook)
+        _failure_hooks.insert(0 if first else len(_failure_hooks), hook)
 
 
 _exit_hooks: list[Callable[[], None]] = []

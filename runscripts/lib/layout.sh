@@ -128,14 +128,22 @@ xs_derive_layout() {
 
 # A step that live recovery launched on a spare node (jobs/lib/coordinator.py) stands in for node
 # NODE_RANK of NNODES of the training (XSCALE_REPLACEMENT=NODE_RANK/NNODES): its ranks take that
-# node's numbers in the training's world, not their own step's.
+# node's numbers in the training's world, not their own step's. A rank started again on its own
+# node is a step of one task that stands in for local rank LOCAL_RANK of PER_NODE there
+# (NODE_RANK/NNODES:LOCAL_RANK/PER_NODE): its GPUs and CPU share are that rank's.
 xs_replacement_layout() {
   local given=${XSCALE_REPLACEMENT:-} name
   [[ -n $given ]] || return 0
-  [[ $given =~ ^([0-9]{1,6})/([0-9]{1,6})$ ]] \
-    || xs_die "XSCALE_REPLACEMENT='$given' is not NODE_RANK/NNODES"
+  [[ $given =~ ^([0-9]{1,6})/([0-9]{1,6})(:([0-9]{1,4})/([0-9]{1,4}))?$ ]] \
+    || xs_die "XSCALE_REPLACEMENT='$given' is not NODE_RANK/NNODES or NODE_RANK/NNODES:LOCAL_RANK/PER_NODE"
   XS_NODE_RANK=$((10#${BASH_REMATCH[1]})) XS_NNODES=$((10#${BASH_REMATCH[2]}))
   (( XS_NODE_RANK < XS_NNODES )) || xs_die "XSCALE_REPLACEMENT='$given': no node $XS_NODE_RANK of $XS_NNODES"
+  if [[ -n ${BASH_REMATCH[3]} ]]; then
+    (( XS_LOCAL_WORLD_SIZE == 1 )) \
+      || xs_die "XSCALE_REPLACEMENT='$given' names one rank, but this step has $XS_LOCAL_WORLD_SIZE on the node"
+    XS_LOCAL_RANK=$((10#${BASH_REMATCH[4]})) XS_LOCAL_WORLD_SIZE=$((10#${BASH_REMATCH[5]}))
+    XS_SAID[LOCAL_RANK]=XSCALE_REPLACEMENT XS_SAID[LOCAL_WORLD_SIZE]=XSCALE_REPLACEMENT
+  fi
   XS_RANK=$((XS_NODE_RANK * XS_LOCAL_WORLD_SIZE + XS_LOCAL_RANK))
   XS_WORLD_SIZE=$((XS_NNODES * XS_LOCAL_WORLD_SIZE))
   for name in RANK WORLD_SIZE NODE_RANK NNODES; do

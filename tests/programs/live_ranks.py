@@ -2,7 +2,9 @@
 short form (a BatchNorm layer, Adam, one DataLoader worker), for live recovery's tests:
 MAX_STEPS steps of ACCUMULATION micro-batches each.
 
-- The rank in DIE_RANK kills itself (SIGKILL, as a crashed node's processes die) or stops
+- With DIE_HOW=raise, the rank in DIE_RANK raises (a bug) as it begins the step after DIE_AT,
+  in every process of that rank, those started again included.
+- Else the rank in DIE_RANK kills itself (SIGKILL, as a crashed node's processes die) or stops
   (SIGSTOP, as a frozen node's), as DIE_HOW says: when its step DIE_AT is recorded; or
   DIE_MICRO micro-batches into the step after it; or, with DIE_MICRO=-1, after its optimizer
   step of DIE_AT but before recording it, so that the others meet its loss in the step's
@@ -38,7 +40,8 @@ MAX_STEPS = int(os.environ.get("MAX_STEPS", "120"))
 DIE_AT = int(os.environ.get("DIE_AT", "-1"))
 DIE_RANK = int(os.environ.get("DIE_RANK", "-1"))
 REPLACEMENT = "XSCALE_RECOVERY_JOIN" in os.environ  # it does not die again
-DIE_HOW = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[os.environ.get("DIE_HOW", "kill")]
+DIE_HOW = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP,
+           "raise": None}[os.environ.get("DIE_HOW", "kill")]
 DIE_MICRO = int(os.environ.get("DIE_MICRO", "0"))
 HOLD_RANK = int(os.environ.get("HOLD_RANK", "-1"))
 ACCUMULATION = int(os.environ.get("ACCUMULATION", "1"))
@@ -86,10 +89,16 @@ class Watch:
         accuracy = vision.evaluate_classifier(self.model, batches, ctx.device)["accuracy"]
         self.evaluated[self.loop.step] = None if math.isnan(accuracy) else accuracy
 
+    def raise_now(self, rank: int) -> None:
+        """A bug: the step after DIE_AT fails on DIE_RANK, whatever process trains it."""
+        if DIE_HOW is None and rank == DIE_RANK and self.loop.step == DIE_AT:
+            raise RuntimeError(f"rank {rank} cannot train step {DIE_AT + 1}")
+
     def dies_now(self, rank: int, micro: int) -> bool:
         """Whether this rank dies now: after recording MICRO micro-batches of the step after
         DIE_AT (0: as DIE_AT ends), or with MICRO -1 after DIE_AT's optimizer step."""
-        return (rank == DIE_RANK and micro == DIE_MICRO and not REPLACEMENT
+        return (DIE_HOW is not None and rank == DIE_RANK and micro == DIE_MICRO
+                and not REPLACEMENT
                 and self.loop.step == (DIE_AT - 1 if micro == -1 else DIE_AT))
 
 
@@ -102,6 +111,7 @@ def with_loop(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Opti
                        accumulation=ACCUMULATION, checkpoint_every=CHECKPOINT_EVERY)
     watch = Watch(loop, model, optimizer)
     for _, (features, target) in loop.batches():
+        watch.raise_now(ctx.rank)
         watch.batch(loop._micro, features)
         with loop.sync_gradients(model):
             loss = nn.functional.mse_loss(model(features), target)

@@ -36,25 +36,29 @@ HOLD_S = 30.0  # the supervisor needs a few seconds: the records to settle, py-s
 POLL_S = 0.2
 
 
-def record_failure(error: BaseException) -> None:
-    """Write this rank's flight record into XSCALE_FR_DIR and wait for the supervisor's release.
-    Nothing without XSCALE_FR_DIR (no supervisor watches) or a process group."""
+def record_failure(error: BaseException, hold: bool = True, replace: bool = True) -> None:
+    """Write this rank's flight record into XSCALE_FR_DIR and, with HOLD, wait for the
+    supervisor's release; REPLACE: an earlier record of xscale's own. Nothing without
+    XSCALE_FR_DIR (no supervisor watches) or a process group."""
     directory = settings.value(contract.FR_DIR_VAR)
     if not directory or not dist.is_initialized():
         return
     try:
-        write_record(Path(directory), dist.get_rank(), error)
+        write_record(Path(directory), dist.get_rank(), error, replace)
     except (OSError, RuntimeError, pickle.PicklingError) as failure:
         print(f"xscale: warning: no flight record written: {failure}", flush=True)
         return
-    wait_for_release(Path(directory), HOLD_S)
+    if hold:
+        wait_for_release(Path(directory), HOLD_S)
 
 
-def write_record(directory: Path, rank: int, error: BaseException) -> Path:
-    """XSCALE_FR_DIR/rank<RANK>, written whole or not at all (torch's own, if its watchdog
-    already wrote one, is kept)."""
+def write_record(directory: Path, rank: int, error: BaseException,
+                 replace: bool = True) -> Path:
+    """XSCALE_FR_DIR/rank<RANK>, written whole or not at all. Torch's own, if its watchdog
+    already wrote one, is kept; xscale's own is replaced with REPLACE (a failure after one that
+    live recovery recovered from, or the rank's own error after its group broke)."""
     path = Path(contract.flight_record(str(directory), rank))
-    if path.exists():
+    if path.exists() and not (replace and ours(path)):
         return path
     record = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     record["xscale"] = {
@@ -69,6 +73,14 @@ def write_record(directory: Path, rank: int, error: BaseException) -> Path:
     partial.write_bytes(pickle.dumps(record, protocol=2))
     partial.replace(path)
     return path
+
+
+def ours(path: Path) -> bool:
+    """Whether the record at PATH is xscale's (torch's watchdog writes none of its fields)."""
+    try:
+        return "xscale" in pickle.loads(path.read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError):
+        return False
 
 
 def wait_for_release(directory: Path, seconds: float) -> None:

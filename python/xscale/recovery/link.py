@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from xscale import lifecycle
+from xscale.observe import flight
 from xscale.shared import contract, settings
 
 FALLBACK_EXIT = 75  # a rank told that live recovery cannot be (EX_TEMPFAIL): the launch ends
@@ -76,6 +77,7 @@ class Link:
         """This rank saw GENERATION's group fail: say so once, and leave what waits on it. A
         work of a generation already left that fails late (it was aborted) is no news."""
         if generation == self.generation and not self.broken.is_set():
+            leave_record(why)
             self.send(contract.Broken(generation=generation, why=why[:200]))
             self._break()
 
@@ -89,13 +91,14 @@ class Link:
         self.send(contract.NotLive(why=why[:200]))
 
     def failed(self, error: BaseException) -> None:
-        """An error of this rank's own ends it: no live recovery for the launch."""
+        """An error of this rank's own ends it; its first line is the coordinator's to report
+        (and, after XSCALE_MAX_RANK_RESTARTS tries at one step, to stop the launch with)."""
         if not self.closed:
             self.send(contract.Failed(why=f"{type(error).__name__}: {str(error)[:200]}"))
 
-    def left(self) -> None:
-        """This rank left its broken group (aborted it)."""
-        self.send(contract.Left(generation=self.generation))
+    def left(self, step: int) -> None:
+        """This rank left its broken group (aborted it), with STEP optimizer steps done."""
+        self.send(contract.Left(generation=self.generation, step=step))
 
     def next_store(self) -> tuple[dist.Store, int]:
         """The next group's store, and its generation, once the coordinator names them (JOIN):
@@ -136,6 +139,8 @@ class Link:
             for received in contract.read_messages(stream):
                 if isinstance(received, contract.Abort):
                     if received.generation == self.generation:
+                        if not self.broken.is_set():
+                            leave_record("the coordinator aborted the group", replace=False)
                         self._break()
                 elif isinstance(received, contract.HostStore):
                     self._host_store()
@@ -173,6 +178,16 @@ class Link:
             self.send(contract.Bye())
 
 
+def leave_record(why: str, replace: bool = True) -> None:
+    """This rank's flight record, as its group breaks: if live recovery cannot follow (a peer
+    hung, and another rank's collective timed out), the report names the rank that never
+    joined from every rank's record, as it does without live recovery (jobs/lib/hangs.py; a
+    record without a timeout names nobody). Not held for the supervisor (this may be a
+    collective's thread). REPLACE: the rank's own record already there (one of its own
+    error, or the coordinator's abort, is kept)."""
+    flight.record_failure(RuntimeError(why), hold=False, replace=replace)
+
+
 _link: Link | None = None
 
 
@@ -203,7 +218,9 @@ def connect(rank: int, world_size: int, environ: dict | None = None) -> Link | N
               f"at {address} cannot be reached ({error.strerror or error})", file=sys.stderr,
               flush=True)
         return None
-    lifecycle.on_failure(_link.failed)
+    # First: the flight record's hook holds the rank for the supervisor's release, and until
+    # the coordinator hears of the error it would take the held rank for a hung one.
+    lifecycle.on_failure(_link.failed, first=True)
     lifecycle.on_exit(_link.close)  # the clean exit's os._exit skips atexit
     atexit.register(_link.close)
     return _link

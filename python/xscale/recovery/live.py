@@ -45,7 +45,7 @@ class Live:
         which every rank takes (its model is the one every rank now has)."""
         started = time.perf_counter()
         self.kind.leave()
-        self.link.left()
+        self.link.left(position.step)
         self.kind.reform()
         formed = time.perf_counter()
         source_position = self.kind.hand_over(position)

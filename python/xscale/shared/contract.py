@@ -24,15 +24,15 @@ The progress events, each {"event": ..., "step": ..., "time": time.time()} plus 
 
 Every launch also gets XSCALE_LAUNCH_T, when the supervisor launched it (docs/STARTUP.md).
 
-Live recovery (docs/FAILURES.md): with spares, the supervisor's coordinator
-(jobs/lib/coordinator.py) and each rank's link (xscale.recovery.link) speak over TCP, one JSON
-object a line, {"kind": KIND, ...}: one type below per message, its fields named there. A rank
-says Hello, then Live once its training can leave a broken step and re-enter (or NotLive, with
-why not), Beat every few seconds, Broken when a collective of its generation failed, Left once
-it left that group, Store (the address of the store it hosts when asked), Joined, and Bye at its
-end, or Failed (an error of its own). The coordinator says Abort (leave generation G now),
-HostStore (host the next generation's store), Join (form generation G on that store; state from
-rank SOURCE) and Fallback (no live recovery: exit, the usual restart or requeue follows).
+Live recovery (docs/FAILURES.md): the supervisor's coordinator (jobs/lib/coordinator.py) and each
+rank's link (xscale.recovery.link) speak over TCP, one JSON object a line, {"kind": KIND, ...}: one
+type below per message, its fields named there. A rank says Hello, then Live once its training can
+leave a broken step and re-enter (or NotLive, with why not), Beat every few seconds, Broken when a
+collective of its generation failed, Left once it left that group (with the steps it had done),
+Store (the address of the store it hosts when asked), Joined, and Bye at its end, or Failed (an
+error of its own, its first line, as the rank ends). The coordinator says Abort (leave generation G
+now), HostStore (host the next generation's store), Join (form generation G on that store; state
+from rank SOURCE) and Fallback (no live recovery: exit, the usual restart or requeue follows).
 
 Standard library only, and Python 3.6: the host's programs load this file by path
 (jobs/lib/shared.py), where the package itself does not import.
@@ -50,7 +50,8 @@ PROGRESS_VAR = "XSCALE_PROGRESS"
 LAUNCH_TIME_VAR = "XSCALE_LAUNCH_T"
 RECOVERY_VAR = "XSCALE_RECOVERY"  # the coordinator's host:port, with spares
 # A replacement's: the generation it joins (no rendezvous of its own), and the node it stands
-# in for, NODE_RANK/NNODES (run.sh numbers its ranks from it).
+# in for, NODE_RANK/NNODES, or the one rank, NODE_RANK/NNODES:LOCAL_RANK/PER_NODE (run.sh
+# numbers its ranks from it).
 JOIN_VAR = "XSCALE_RECOVERY_JOIN"
 REPLACEMENT_VAR = "XSCALE_REPLACEMENT"
 
@@ -61,6 +62,9 @@ STACK = ".stack-rank"
 NODE_STATES = ".node-states"
 RECORD_PREFIX = "rank"  # FLIGHT_RECORDS/rankN
 RELEASED = "released"  # FLIGHT_RECORDS/released
+# FLIGHT_RECORDS/hung: the ranks live recovery's coordinator found hung (silent while their
+# node's other ranks answered), a JSON list; their peers' records then tell the collective.
+HUNG = "hung"
 
 # Progress events.
 FIRST_STEP, INTERVAL, CHECKPOINT, END = "first_step", "interval", "checkpoint", "end"
@@ -92,6 +96,7 @@ class Broken(NamedTuple):
 
 class Left(NamedTuple):
     generation: int
+    step: int  # the optimizer steps this rank had done: where the failure happened
 
 
 class Store(NamedTuple):

@@ -260,10 +260,14 @@ SETTINGS = (
             "job's nodes)", JOBS),
     Setting("XSCALE_MAX_RESTARTS", whole(0), 3,
             "restarts on spare nodes inside the allocation, per attempt of the job", JOBS),
+    Setting("XSCALE_MAX_RANK_RESTARTS", whole(0), 2,
+            "with live recovery: how often a rank that failed on its own (its node's other "
+            "ranks live on) is started again on its node at one step; one failure more is a "
+            "bug, and stops the launch", JOBS),
     Setting("XSCALE_LIVE_RECOVERY", flag(), True,
-            "with spares: a failed node's ranks are replaced from a spare while the others "
-            "keep their processes and train on (docs/FAILURES.md); 0: restart the whole launch",
-            JOBS),
+            "a failed node's ranks are replaced from a spare (XSCALE_SPARES), and a rank that "
+            "failed on its own is started again on its node, while the others keep their "
+            "processes and train on (docs/FAILURES.md); 0: restart the whole launch", JOBS),
     Setting("XSCALE_HEARTBEAT_S", number(above=0, unit="seconds"), 30.0,
             "with live recovery: a rank silent this long is lost with its node (a frozen node)",
             JOBS),
@@ -305,13 +309,13 @@ SETTINGS = (
             "the supervisor's: the file rank 0 notes its progress in, for the goodput "
             "ledger", XSCALE),
     Setting("XSCALE_RECOVERY", text("host:port"), None,
-            "the supervisor's, with spares: where its live-recovery coordinator listens",
+            "the supervisor's, under live recovery: where its coordinator listens",
             XSCALE),
     Setting("XSCALE_RECOVERY_JOIN", whole(1), None,
             "the supervisor's, on a replacement: the generation of the group it joins", XSCALE),
-    Setting("XSCALE_REPLACEMENT", text("NODE_RANK/NNODES"), None,
-            "the supervisor's, on a replacement: the lost node it stands in for (run.sh numbers "
-            "its ranks from it)", XSCALE),
+    Setting("XSCALE_REPLACEMENT", text("NODE_RANK/NNODES[:LOCAL_RANK/PER_NODE]"), None,
+            "the supervisor's, on a replacement: the lost node it stands in for, or the one "
+            "rank started again on its node (run.sh numbers its ranks from it)", XSCALE),
     Setting("XSCALE_LAUNCH_T", CLOCK, None,
             "the supervisor's (Aurora: jobs/lib/aurora.sh): when it launched the step",
             XSCALE),
