@@ -414,6 +414,14 @@ class Coordinator:
             return json.loads(json.dumps(self.recoveries))
 
 
+def newer(path, than):
+    """Whether PATH was written after THAN (False when either is not there)."""
+    try:
+        return os.stat(path).st_mtime >= os.stat(than).st_mtime
+    except OSError:
+        return False
+
+
 def what_changed(spares, lost_nodes, restarted):
     """A recovery's new processes, in words."""
     parts = []
@@ -582,9 +590,7 @@ class LiveLaunch:
             return
         released = os.path.join(fr_dir, contract.RELEASED)
         deadline = time.monotonic() + HANG_READ_S
-        while time.monotonic() < deadline and not (
-                os.path.exists(released)
-                and os.stat(released).st_mtime >= os.stat(verdict).st_mtime):
+        while time.monotonic() < deadline and not newer(released, verdict):
             time.sleep(WATCH_EVERY_S)
 
     def _end_main(self):

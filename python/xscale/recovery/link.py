@@ -183,8 +183,8 @@ def leave_record(why: str, replace: bool = True) -> None:
     hung, and another rank's collective timed out), the report names the rank that never
     joined from every rank's record, as it does without live recovery (jobs/lib/hangs.py; a
     record without a timeout names nobody). Not held for the supervisor (this may be a
-    collective's thread). REPLACE: the rank's own record already there (one of its own
-    error, or the coordinator's abort, is kept)."""
+    collective's thread). REPLACE: a record of xscale's already there (else it is kept: the
+    coordinator's abort after the rank's own error leaves the error's record)."""
     flight.record_failure(RuntimeError(why), hold=False, replace=replace)
 
 
