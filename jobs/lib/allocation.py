@@ -110,6 +110,11 @@ class Allocation:
             except hostlist.HostlistError:
                 return {}
             return hostlist.block_placement(nodes, env.get("SLURM_TASKS_PER_NODE", ""))
+        return self.launch_placement()
+
+    def launch_placement(self):
+        """rank -> node over the launch nodes, PER_NODE ranks each (a spare that took a node's
+        place live holds its ranks)."""
         return {rank: node for index, node in enumerate(self.launch_nodes)
                 for rank in range(index * self.per_node, (index + 1) * self.per_node)}
 

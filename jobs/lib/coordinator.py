@@ -35,7 +35,6 @@ Standard library only, Python 3.6: the batch host's system Python.
 
 import json
 import os
-import re
 import signal
 import socket
 import socketserver
@@ -45,9 +44,9 @@ import time
 
 import failure_report
 import hangs
+import launches
 from shared import contract, hostlist, say
 
-TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")  # a collective's timeout, in gloo's words
 LEAVE_WINDOW_S = 5.0  # after Abort, for every rank that lives to say Left
 STORE_TIMEOUT_S = 30.0  # for the store's address from the rank that hosts it
 JOIN_TIMEOUT_S = 300.0  # for a replacement to start (its container, `import torch`) and join
@@ -183,7 +182,7 @@ class Coordinator:
                 peer.failed = received.why
                 peer.lost = True  # it is ending: the recovery need not wait for it to leave
             self.changed.notify_all()
-        if isinstance(received, contract.Broken) and TIMED_OUT.search(received.why):
+        if isinstance(received, contract.Broken) and hangs.TIMED_OUT.search(received.why):
             peer.timed_out = True  # news even while a recovery is under way: it names a hang
         if isinstance(received, contract.Broken) and not peer.bye:  # after Bye: training is over
             self._failed("rank %d's collective failed (%s)" % (peer.rank, received.why),
@@ -531,10 +530,8 @@ class LiveLaunch:
                 log = failure_report.StepLog(handle)
         except OSError:
             return None
-        per_node, launch_nodes = self.allocation.per_node, self.allocation.launch_nodes
-        placement = {rank: launch_nodes[rank // per_node]
-                     for rank in range(len(launch_nodes) * per_node)}
-        blames = failure_report.pattern_blames(log, self.patterns, nodes, placement)
+        blames = failure_report.pattern_blames(log, self.patterns, nodes,
+                                               self.allocation.launch_placement())
         if not blames:
             return None
         # Not the line itself: every rank repeats the Fallback's words, and they would match.
@@ -542,7 +539,6 @@ class LiveLaunch:
             blames[0].node, blames[0].reason.partition(": ")[0])
 
     def _start(self, place, what, argv, env):
-        import launches  # the supervisor's, imported here: it imports nothing of this file
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         log = open(self.log, "ab")
         threading.Thread(target=launches.copy_output, args=(proc.stdout, log),
