@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, VENV_BIN
 from tests.helpers import block_placed, tagged_records, wait_for
@@ -314,3 +315,73 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_lost_node(cluster, tmp
     summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
     assert summary["steps"] == 30 * (1024 // 3 // 32) and summary["world_size"] == 3, summary
     print(f"{frozen} {fault}: replaced live {recovered_s:.1f} s later (XSCALE_HEARTBEAT_S=6)")
+
+
+@pytest.mark.parametrize("fault", ["crash", "freeze"])
+def test_a_trainer_script_with_xscales_lines_outlives_a_lost_node(cluster, tiny,  # noqa: F811
+                                                                  tmp_path: Path, fault: str):
+    """The workshop's Trainer script with docs/YOUR-SCRIPT.md's one line more, 3 x 2 ranks and
+    a spare: a node crashed mid-run, or frozen (noticed by its silence, XSCALE_HEARTBEAT_S), is
+    replaced live. Trainer's loop is left and begun again at the source rank's step with the
+    state in memory (xscale.hf._LiveSteps); the healthy ranks keep their processes and no disk
+    checkpoint is read. After the crash the model the run ends with is the one an
+    uninterrupted run of the same job ends with: no step redone or skipped, the data in the
+    same order, the learning-rate schedule where it was."""
+    model, data = tiny
+    steps = 60
+
+    def submit(name: str) -> tuple[str, Path, Path]:
+        out, output = tmp_path / name, tmp_path / f"{name}.out"
+        job_id = cluster.submit(
+            JOB, with_xscale(WORKSHOP), "--model-name", "tiny", "--output-path", str(out),
+            "--logging-path", str(tmp_path / "logs"), "--num-workers", "1",
+            "--pretrained-model", str(model), "--dataset", str(data), "--max-steps", str(steps),
+            output=output, sbatch_options=("--nodes=4", "--ntasks-per-node=2", "--no-kill"),
+            env={"OUTPUT_DIR": str(out), "HF_HUB_OFFLINE": "1", "XSCALE_SPARES": "1",
+                 "XSCALE_HEARTBEAT_S": "6", "OMP_NUM_THREADS": "1"})
+        return job_id, out, output
+
+    job_id, out, output = submit(fault)
+    progress = out / "xscale-records" / "attempt0-launch1.progress"
+    lost = None
+    try:
+        nodes = job_nodes(job_id)  # nodes[3] is the spare
+        wait_for(lambda: past_step(progress, 10), 300, "training under way")
+        before = trainer_pids(job_id)
+        lost, lost_at = nodes[1], time.monotonic()
+        cluster.fault(fault, lost)
+        wait_for(lambda: "training goes on at step" in output.read_text(), 120,
+                 "the live recovery")
+        recovered_s = time.monotonic() - lost_at
+        after = trainer_pids(job_id)
+        state = cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+        if lost is not None:
+            cluster.fault("heal", lost)
+    text = output.read_text()
+    assert state == "COMPLETED" and job_fields(job_id)["Restarts"] == "0", text[-4000:]
+    leaves = [line for line in text.splitlines() if "every rank leaves" in line]
+    assert len(leaves) == 1, leaves
+    if fault == "freeze":  # only its silence tells
+        assert f"on {lost} sent nothing for 6 s" in leaves[0], leaves
+    assert f"xscale: live recovery: {nodes[3]} in place of {lost}" in text, text[-4000:]
+    assert "resuming from" not in text and "live recovery is off" not in text, text[-4000:]
+    assert all(after[rank] == before[rank] for rank in (0, 1, 4, 5)), (before, after)
+    summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
+    assert summary["steps"] == steps and summary["world_size"] == 6, summary
+    print(f"{lost} {fault}: training went on {recovered_s:.1f} s later (XSCALE_HEARTBEAT_S=6)")
+    if fault == "crash":
+        reference_id, reference, reference_output = submit("uninterrupted")
+        assert cluster.wait_state(reference_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) \
+            == "COMPLETED", reference_output.read_text()[-4000:]
+        ended, uninterrupted = (final_weights(run / "tiny" / f"checkpoint-{steps}")
+                                for run in (out, reference))
+        for name, tensor in uninterrupted.items():
+            assert torch.allclose(ended[name], tensor, rtol=1e-4, atol=1e-6), name
+
+
+def final_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(checkpoint / "model.safetensors")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import types
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,39 @@ def test_a_collective_that_fails_after_the_training_ended_is_no_recovery():
         coordinator.stop()
         for connection in ranks:
             connection.close()
+
+
+PEER_THAT_LEFT = """
+import datetime, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=1, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+time.sleep(30)  # in its recovery: its connections stay open, it calls no collective
+"""
+
+
+def test_a_frameworks_blocking_collective_ends_as_soon_as_the_group_is_broken(monkeypatch):
+    """Trainer's own gathers (its logging's, its evaluation's) block in gloo, and gloo's abort
+    does not end them. A peer that left the group for its recovery keeps its connections open,
+    so the gather would wait out the collective timeout and the coordinator would take this rank
+    for a hung one. Within abortable_collectives it ends in GroupBroken once the link says the
+    group is broken, and torch's own functions are back after it."""
+    import torch.distributed as dist
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    peer = subprocess.Popen([sys.executable, "-c", PEER_THAT_LEFT, address])
+    broken = threading.Event()
+    monkeypatch.setattr(rank_link, "_link", types.SimpleNamespace(
+        broken=broken, generation=0, declare_broken=lambda why, generation: broken.set()))
+    original = dist.all_gather
+    dist.init_process_group("gloo", init_method=address, rank=0, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        threading.Timer(0.5, broken.set).start()  # the coordinator's ABORT, as the link hears it
+        with pytest.raises(rank_link.GroupBroken), rank_link.abortable_collectives():
+            dist.all_gather([torch.zeros(1), torch.zeros(1)], torch.ones(1))
+    finally:
+        peer.kill()  # first: the abort waits for the gather, which ends when the peer is gone
+        peer.wait()
+        dist.distributed_c10d._abort_process_group()
+    assert dist.all_gather is original and dist.distributed_c10d.all_gather is original

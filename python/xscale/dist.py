@@ -8,6 +8,7 @@ process (rank 0 of 1) and needs no MASTER_ADDR.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Mapping
@@ -20,7 +21,7 @@ from torch import nn
 
 from xscale.lifecycle import UserError
 from xscale.recovery import link as links
-from xscale.shared import settings
+from xscale.shared import contract, settings
 
 DEFAULT_TIMEOUT_S = settings.setting("XSCALE_TIMEOUT_S").default
 
@@ -306,6 +307,38 @@ def join_next_group(ctx: DistContext, timeout: timedelta | None = None) -> None:
                             timeout=timeout or timeout_from_env(), store=store,
                             **_eager_init(ctx.backend, ctx.device))
     link.formed(generation)
+
+
+def reach_coordinator() -> None:
+    """For a script whose framework joins the process group itself (Hugging Face's Trainer,
+    whose arguments' accelerate state joins it): under the supervisor's live recovery
+    (XSCALE_RECOVERY), connect this rank to the coordinator, before the group is joined where
+    the adapter is imported first. A replacement's join must not go to the launch's first
+    rendezvous (its host may be the lost node, its ranks are in their recovery): the
+    framework's init_process_group is made to join the survivors' next group on the
+    coordinator's store instead, with the framework's backend and timeout."""
+    if not os.environ.get(contract.RECOVERY_VAR) or links.link() is not None:
+        return
+    try:
+        where = read_placement()
+    except UserError:
+        return  # the script's own join says it, in its one line
+    links.connect(where.rank, where.world_size)
+    if not links.joining() or dist.is_initialized():
+        return
+    original = dist.init_process_group
+
+    @functools.wraps(original)
+    def join(backend: str | None = None, *_: object, **kwargs: object) -> None:
+        dist.init_process_group = original  # once: join_next_group's own call is torch's
+        accel = probe_accelerator()
+        device = choose_device(where.local_rank, accel=accel)
+        backend = backend or choose_backend(None, device, accel)
+        timeout = kwargs.get("timeout")
+        join_next_group(DistContext.at(where, device, backend),
+                        timeout if isinstance(timeout, timedelta) else None)
+
+    dist.init_process_group = join
 
 
 def _eager_init(backend: str, device: torch.device) -> dict:

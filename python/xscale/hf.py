@@ -5,7 +5,8 @@ Trainer runs its own loop (DDP from the torchrun variables run.sh exports, the
 DistributedSampler, rank-0-only tqdm and checkpoints); XscaleTrainer adds, through callbacks
 of its own, what every xscale loop does: the stop vote at Slurm's warning with a checkpoint and
 the resume from the newest whole one, shielded DataLoader workers, the straggler line, the
-progress notes (xscale.runtime.RunTally), the profiling window and the one XSCALE_SUMMARY.
+progress notes (xscale.runtime.RunTally), the profiling window and the one XSCALE_SUMMARY;
+and with spares, live recovery (xscale.recovery), re-entering Trainer's loop (_LiveSteps).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import functools
 import json
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -30,12 +33,18 @@ from xscale.dist import (
     choose_backend,
     choose_device,
     probe_accelerator,
+    reach_coordinator,
     read_placement,
     timeout_from_env,
 )
 from xscale.observe import profile_window, startup, stragglers
 from xscale.observe.throughput import Throughput
-from xscale.reductions import SumMeter, all_reduce_sums
+from xscale.recovery import ddp as ddp_recovery
+from xscale.recovery import link as links
+from xscale.recovery import live
+from xscale.recovery.link import GroupBroken
+from xscale.reductions import SumMeter, all_reduce_sums, gather_to_rank0
+from xscale.shared import contract
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -46,6 +55,12 @@ TRAINER_STATE = "trainer_state.json"
 # long before XscaleTrainer is built. Started here, shielded (40 ms), it is the one every later
 # user finds running.
 lifecycle.shield_resource_tracker()
+
+# With spares, a rank reaches live recovery's coordinator before the script's TrainingArguments
+# join the group, and a replacement joins the survivors' next group there (xscale.dist); its
+# DDP skips the start-up broadcast: its state comes from a survivor (_LiveSteps).
+reach_coordinator()
+ddp_recovery.prepare_replacement()
 
 
 def ddp_arguments() -> dict[str, Any]:
@@ -97,10 +112,13 @@ class XscaleTrainer(Trainer):
         super().__init__(*args, **kwargs)
         _load_cpu_ranks_on_the_cpu()
         self.ctx = runtime.joined(self.args.device)  # Trainer's arguments joined it
+        reach_coordinator()  # where xscale.hf was imported after the group was joined
+        joining = links.joining()  # a replacement: its state comes from the survivors
         self.resume, self.report_at_end = resume, report_at_end
         self.run_name = name or runtime.default_run_name()
         self.started = runtime.STARTED
-        self.resume_from = newest_checkpoint(self.args.output_dir) if resume else None
+        self.resume_from = newest_checkpoint(self.args.output_dir) \
+            if resume and not joining else None
         self.tally = runtime.RunTally(self.ctx)
         self.train_call = _TrainCall(self.tally, wrapped=lambda: self.model_wrapped)
         auto = None
@@ -109,10 +127,13 @@ class XscaleTrainer(Trainer):
             auto = _AutoSaveSteps(self.tally)
         elif checkpoint_every is not None:
             self.args.save_steps = int(checkpoint_every)
-        watch = stragglers.watch(self.model, self.ctx.device, self.ctx.rank, self.ctx.world_size)
+        watch = stragglers.watch(self.model, self.ctx.device, self.ctx.rank, self.ctx.world_size,
+                                 gather=not joining)  # the survivors gather after the hand-over
         self.stop = _StopOnSignal(self.tally, watch=watch, auto=auto,
                                   reduce=self.train_call.reduce_losses)
-        for callback in (self.train_call, self.stop, _ProfileSteps(self.ctx.rank, self.ctx.device)):
+        self.live_steps = _LiveSteps(self)  # first: a replacement leaves before the others begin
+        for callback in (self.live_steps, self.train_call, self.stop,
+                         _ProfileSteps(self.ctx.rank, self.ctx.device)):
             self.add_callback(callback)
         self.saved: str | None = None
         self._said_skipped = False
@@ -121,7 +142,10 @@ class XscaleTrainer(Trainer):
                       **kwargs: Any) -> torch.Tensor:
         """Trainer's step on one micro-batch; its loss and tokens are counted here, whatever
         the logging cadence (logging_steps) and include_num_input_tokens_seen say."""
+        self.live_steps.before_micro_batch()
         loss = super().training_step(model, inputs, *args, **kwargs)
+        if self.accelerator.sync_gradients:  # the step's last micro-batch: Trainer clips next
+            self.live_steps.before_update()
         self.train_call.micro_batch(loss, inputs)
         return loss
 
@@ -159,7 +183,20 @@ class XscaleTrainer(Trainer):
         line after a stop, and the summary unless report_at_end is False."""
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.resume_from
-        output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        self.train_call.call_begins()
+        while True:
+            try:
+                with links.abortable_collectives():  # Trainer's own gathers too
+                    output = super().train(resume_from_checkpoint=resume_from_checkpoint,
+                                           **kwargs)
+                break
+            except Exception as error:
+                if not self.live_steps.recoverable(error):
+                    raise
+            # Outside the handler: the broken loop's frames, its DataLoader workers with them,
+            # are gone before the recovery begins.
+            resume_from_checkpoint = self.live_steps.recover()
+        self.live_steps.forget()
         self.tally.end(self.train_call.end_step, self.stopped)
         self.saved = _checkpoint_written(self.args.output_dir, self.train_call)
         if self.stopped and self.ctx.is_main:
@@ -168,6 +205,30 @@ class XscaleTrainer(Trainer):
         if self.report_at_end:
             self.report()
         return output
+
+    # Trainer's resume, from the state a live recovery handed over instead of a checkpoint.
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not self.live_steps.holds(resume_from_checkpoint):  # else: the source's, broadcast
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self.live_steps.holds(checkpoint):
+            self.live_steps.load_optimizer_and_scheduler()
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if not self.live_steps.holds(checkpoint):  # the lost rank's generators are gone with it
+            super()._load_rng_state(checkpoint)
+
+    def rejoined(self, save_every: int | None) -> None:
+        """After a live recovery, before Trainer's loop begins again: every rank's callbacks
+        alike, the replacement's and the survivors' (their collectives must match), and rank
+        0's list of the ranks' nodes anew (a node changed)."""
+        self.stop.rejoined(save_every)
+        self.train_call.rejoined()
+        self.stop.watch.restart(gather_to_rank0(contract.node_name()))
 
     @property
     def stopped(self) -> bool:
@@ -242,6 +303,10 @@ class _AutoSaveSteps:
         if agreed.every is not None:
             self.every = state.save_steps = agreed.every
 
+    def rejoined(self, every: int | None) -> None:
+        """After a live recovery: the source rank's decision; undecided, a save is timed anew."""
+        self.every, self._saves_before = every, None
+
 
 def _initial_save_steps(max_steps: int, resume_from: str | None) -> int:
     """Trainer's save_steps with auto, until the timed save decides anew: the interval the
@@ -283,7 +348,9 @@ class _StopOnSignal(TrainerCallback):
             self.watch.step()
         if last or not self._voted or state.global_step % self.every == 0:
             self._voted = True
-            proposal = self.auto.at_vote(state, control) if self.auto is not None else None
+            proposal = None
+            if self.auto is not None:  # a proposal on every rank, 0 where none: sizes match
+                proposal = self.auto.at_vote(state, control) or runtime.Proposal(0.0)
             agreed = runtime.vote(self.reduce, watch=self.watch, proposal=proposal)
             if self.auto is not None:
                 self.auto.decided(state, agreed)
@@ -293,6 +360,13 @@ class _StopOnSignal(TrainerCallback):
                 control.should_training_stop = True
                 self.stopped_at = state.global_step
         return control
+
+    def rejoined(self, save_every: int | None) -> None:
+        """After a live recovery: every rank votes at its first step, as at a start (the
+        replacement's first is its first), with the source's checkpoint interval."""
+        self._voted = False
+        if self.auto is not None:
+            self.auto.rejoined(save_every)
 
 
 class _TrainCall(TrainerCallback):
@@ -320,6 +394,7 @@ class _TrainCall(TrainerCallback):
         self.tally, self.wrapped = tally, wrapped
         self.start_step = 0
         self.end_step = 0
+        self._began = False  # this train() call's loop began (a live recovery begins it again)
         self.loss_first: float | None = None
         self.loss_last: float | None = None
         self._losses = SumMeter()  # the step losses since the last vote, on the device
@@ -350,13 +425,28 @@ class _TrainCall(TrainerCallback):
                 self.loss_first = self.loss_last
         return sums
 
+    def call_begins(self) -> None:
+        """A train() call begins: its first step, throughput and clocks are its own."""
+        self._began = False
+
+    def rejoined(self) -> None:
+        """After a live recovery: the losses since the last vote are forgotten on every rank
+        (the replacement has none), and the next vote averages the steps from here."""
+        self._losses.reset()
+        self._steps_since_vote = 0
+
     def on_train_begin(self, args, state, control, **kwargs):
         # Called after Trainer restored the checkpoint's state: global_step is where we resume.
-        self.start_step = self.end_step = state.global_step
+        # After a live recovery Trainer's loop begins again within the same call.
+        self.end_step = state.global_step
+        self._busy_until = time.perf_counter()
+        if self._began:
+            return
+        self._began = True
+        self.start_step = state.global_step
         self._steps_since_vote = 0
         self.throughput.start()
         self.tally.clock.watch(self.wrapped())
-        self._busy_until = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.tally.clock.waited_for_data(time.perf_counter() - self._busy_until)
@@ -390,6 +480,164 @@ class _TrainCall(TrainerCallback):
         self.tally.flops.cancel()  # a step that never ended leaves no counting behind
         self.throughput.stop()
         self.end_step = state.global_step
+
+
+class TrainerPlace(NamedTuple):
+    """Where Trainer's loop is, as the source rank hands it over in a live recovery
+    (xscale.recovery.protocol.Place): its optimizer steps, Trainer's state (what
+    trainer_state.json holds), the scheduler's and the loss scaler's states, and the checkpoint
+    interval that checkpoint_every="auto" decided (None: not yet)."""
+
+    step: int
+    state: TrainerState
+    scheduler: dict
+    scaler: dict | None
+    save_every: int | None
+
+
+class _Rejoin(Exception):
+    """A replacement received its state: Trainer's loop begins again at the received step."""
+
+
+class _StepDropped(Exception):
+    """The group broke before this step's update: the loop is left before it counts the step."""
+
+
+class _LiveSteps(TrainerCallback):
+    """Live recovery (xscale.recovery.live) under Trainer's loop, which is its own and cannot be
+    moved to another step from outside. A broken group therefore leaves Trainer.train()
+    through an exception, at a step boundary where the model, optimizer, scheduler and
+    global_step agree: before a dropped step is counted (on_optimizer_step: the update was
+    dropped, the scheduler not yet stepped), at a step's end, or from a collective that raised
+    GroupBroken. XscaleTrainer.train catches it, recovers (leave, form the next group, the
+    source rank's state to every rank), and calls Trainer's train() again from the state in
+    memory: a folder holding only trainer_state.json stands for the checkpoint, Trainer skips
+    its data to the source's step on the same sampler order as at a resume, and the loads of
+    weights, optimizer, scheduler and generators are this class's (XscaleTrainer's overrides).
+
+    A replacement builds its Trainer as the others did, receives the state as its loop begins
+    (on_train_begin, this callback first), and begins again the same way. The lost rank's
+    random generators are not recovered: a model with dropout draws other masks from there."""
+
+    def __init__(self, trainer: XscaleTrainer) -> None:
+        self.trainer = trainer
+        self.live: live.Live | None = None
+        self._asked = False  # whether live.for_loop was asked (at the first loop's beginning)
+        self._place: TrainerPlace | None = None  # the state received, to begin again from
+        self._loads: tuple[dict, TrainerPlace] | None = None  # the optimizer's state and place
+        self._folder: str | None = None
+
+    # ---- in Trainer's loop ----------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._asked:
+            return
+        self._asked = True
+        trainer = self.trainer
+        self.live, why = live.for_loop(trainer.ctx, trainer.model_wrapped,
+                                       _torch_optimizer(trainer.optimizer))
+        if why is not None and trainer.ctx.is_main:
+            print(f"xscale: live recovery is off for this run: {why}; a lost node restarts the "
+                  "launch on a spare instead (docs/YOUR-SCRIPT.md)", flush=True)
+        if self.live is not None and self.live.link.joining:
+            self._place = self.live.receive()
+            raise _Rejoin()
+
+    def before_micro_batch(self) -> None:
+        """The kind's collectives before a forward (DDP's buffers), none on a broken group."""
+        if self.live is not None:
+            if self.live.broken:
+                raise GroupBroken("the group broke before this micro-batch")
+            self.live.before_batch()
+
+    def before_update(self) -> None:
+        """The kind's collectives between the last backward and the clipping (DDP's first
+        step of a new group)."""
+        if self.live is not None:
+            self.live.before_update()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.live is not None and self.live.step_dropped:
+            raise _StepDropped()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.live is not None and self.live.broken:  # after this rank's update: counted
+            raise GroupBroken("the group broke after this rank's update")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.live is not None:
+            self.live.close()  # a failure from here on ends the launch as before
+
+    # ---- in XscaleTrainer.train -----------------------------------------------------------
+
+    def recoverable(self, error: Exception) -> bool:
+        """Whether ERROR left Trainer's loop for a live recovery."""
+        if isinstance(error, _Rejoin):
+            return True
+        return self.live is not None and not self.live.link.closed and (
+            isinstance(error, (GroupBroken, _StepDropped)) or self.live.broken)
+
+    def recover(self) -> str:
+        """Recover (a survivor) or take the state received (a replacement); the folder Trainer's
+        train() resumes from."""
+        trainer = self.trainer
+        if self._place is None:
+            recovered = self.live.recover(self._here())
+            self._place = recovered.position
+            if trainer.ctx.is_main:
+                print(f"{runtime.script_name()}: live recovery: training goes on at step "
+                      f"{self._place.step}, {recovered.seconds:.1f} s after this rank left the "
+                      f"broken group (the state's transfer: {recovered.handover_s:.2f} s)",
+                      flush=True)
+        place, self._place = self._place, None
+        optimizer = _torch_optimizer(trainer.optimizer)
+        # Trainer makes its scheduler again, which sets the optimizer's learning rate to the
+        # schedule's first: the state is loaded after it (load_optimizer_and_scheduler).
+        self._loads = (optimizer.state_dict(), place)
+        trainer.optimizer = optimizer  # Trainer wraps it for accelerate again, once
+        if self._folder is None:
+            self._folder = tempfile.mkdtemp(prefix="xscale-live-")
+        place.state.save_to_json(os.path.join(self._folder, TRAINER_STATE))
+        trainer.rejoined(place.save_every)
+        return self._folder
+
+    def _here(self) -> TrainerPlace:
+        """This rank's place; the source rank's is every rank's after the hand-over."""
+        trainer = self.trainer
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        auto = trainer.stop.auto
+        return TrainerPlace(step=trainer.state.global_step, state=trainer.state,
+                            scheduler=trainer.lr_scheduler.state_dict(),
+                            scaler=None if scaler is None else scaler.state_dict(),
+                            save_every=None if auto is None else auto.every)
+
+    def holds(self, checkpoint: str | None) -> bool:
+        """Whether CHECKPOINT is the folder that stands for the state in memory."""
+        return checkpoint is not None and checkpoint == self._folder
+
+    def load_optimizer_and_scheduler(self) -> None:
+        trainer = self.trainer
+        optimizer_state, place = self._loads
+        self._loads = None
+        trainer.optimizer.load_state_dict(optimizer_state)
+        trainer.lr_scheduler.load_state_dict(place.scheduler)
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None and place.scaler is not None:
+            scaler.load_state_dict(place.scaler)
+
+    def forget(self) -> None:
+        """The train() call is over: the folder goes."""
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrappers (AcceleratedOptimizer.optimizer): the
+    one whose step live recovery's pre-hook drops, and whose state it hands over."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 class _ProfileSteps(TrainerCallback):

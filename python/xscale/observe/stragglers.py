@@ -211,10 +211,11 @@ class StragglerWatch:
 
 
 def watch(model: nn.Module, device: torch.device, rank: int, world_size: int,
-          say: Callable[[str], None] = print_now) -> StragglerWatch:
+          say: Callable[[str], None] = print_now, gather: bool = True) -> StragglerWatch:
     """A watch over this rank's own work (a collective: every rank calls it, to give rank 0 the
-    ranks' nodes)."""
+    ranks' nodes). GATHER False: not yet, no collective; restart() gives them later (a
+    replacement whose survivors are not there yet)."""
     factor, intervals = settings()
-    nodes = gather_to_rank0(node_name())
+    nodes = gather_to_rank0(node_name()) if gather else []
     return StragglerWatch(WorkClock(model, device), rank, world_size, nodes, factor, intervals,
                           say)

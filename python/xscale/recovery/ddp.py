@@ -33,7 +33,7 @@ from torch import nn
 
 from xscale import dist as xdist
 from xscale.recovery import link as links
-from xscale.recovery.protocol import Position, StateSize
+from xscale.recovery.protocol import Place, StateSize
 
 DDP = nn.parallel.DistributedDataParallel
 
@@ -142,15 +142,21 @@ class DdpRecovery:
         for future, gradients in pending.values():
             future.set_result(gradients)
 
+    def before_update(self) -> None:
+        """On the first step of a new group, the gradients summed in the parameters' order
+        (module docstring): for a loop that reads them before the update (Trainer clips them);
+        else the update's pre-hook does it."""
+        if self.layout_free and not self.broken:
+            self._sum_in_parameter_order()
+            self.layout_free = False
+
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Drop the gradients of a broken step, so that the step changes nothing; on the first
         step of a new group, sum them in the parameters' order first."""
-        if self.layout_free and not self.broken:
-            try:
-                self._sum_in_parameter_order()
-                self.layout_free = False
-            except links.GroupBroken:
-                pass
+        try:
+            self.before_update()
+        except links.GroupBroken:
+            pass
         if self.broken:
             self._dropped = True
             for group in optimizer.param_groups:
@@ -187,9 +193,9 @@ class DdpRecovery:
         xdist.join_next_group(self.ctx)
         self.model._update_process_group(dist.group.WORLD)
 
-    def hand_over(self, position: Position | None) -> Position:
+    def hand_over(self, position: Place | None) -> Place:
         """The source rank's model, optimizer and POSITION to every rank (a collective); the
-        source's position. A survivor's copy serves: the state is replicated."""
+        source's place. A survivor's copy serves: the state is replicated."""
         source = self.link.source
         for tensor in [*self.model.module.parameters(), *self.model.module.buffers()]:
             dist.broadcast(tensor.data, source)

@@ -12,16 +12,20 @@ rank sits out a collective timeout for a lost peer. The messages are xscale.shar
 from __future__ import annotations
 
 import atexit
+import functools
+import inspect
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from xscale import lifecycle
 from xscale.observe import flight
@@ -249,3 +253,47 @@ def wait(work: Any) -> None:
     except Exception as error:  # gloo: "Connection closed by peer", a timeout...
         _link.declare_broken(str(error), generation)
         raise GroupBroken(str(error)) from None
+
+
+# torch.distributed's collectives that a framework's own loop calls blocking (below).
+BLOCKING_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+                        "barrier", "gather", "reduce", "scatter", "reduce_scatter_tensor")
+
+
+@contextmanager
+def abortable_collectives() -> Iterator[None]:
+    """Within it, torch.distributed's blocking collectives end as soon as the group is known
+    broken (`wait`), as xscale's own do: those of a framework's loop that xscale does not
+    write (Trainer's logging and evaluation gathers, accelerate's broadcast of the data order).
+    gloo's abort does not end a collective that waits on a peer that lives but has left the
+    group: it would wait for the collective timeout, and the coordinator would take the rank
+    for a hung one. The object collectives (broadcast_object_list, ...) are built on these and
+    end the same way. Without a link it changes nothing."""
+    if _link is None:
+        yield
+        return
+    originals = {name: getattr(c10d, name) for name in BLOCKING_COLLECTIVES}
+    for name, original in originals.items():
+        setattr(c10d, name, _abortable(original))
+        setattr(dist, name, getattr(c10d, name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(c10d, name, original)
+            setattr(dist, name, original)
+
+
+def _abortable(collective: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(collective)
+
+    @functools.wraps(collective)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if signature.bind(*args, **kwargs).arguments.get("async_op"):
+            return collective(*args, **kwargs)  # the caller waits for it itself
+        work = collective(*args, **{**kwargs, "async_op": True})
+        if work is not None:  # None: this rank is not in the group
+            wait(work)
+        return None
+
+    return call

@@ -18,7 +18,7 @@ from torch import nn
 from xscale.dist import DistContext
 from xscale.recovery import ddp
 from xscale.recovery import link as links
-from xscale.recovery.protocol import Position, Recoverable, Recovered
+from xscale.recovery.protocol import Place, Recoverable, Recovered
 
 
 class Live:
@@ -40,7 +40,10 @@ class Live:
     def before_batch(self) -> None:
         self.kind.before_batch()
 
-    def recover(self, position: Position) -> Recovered:
+    def before_update(self) -> None:
+        self.kind.before_update()
+
+    def recover(self, position: Place) -> Recovered:
         """Leave the broken group, form the next, and go on from the source rank's position,
         which every rank takes (its model is the one every rank now has)."""
         started = time.perf_counter()
@@ -54,8 +57,8 @@ class Live:
         done = time.perf_counter()
         return Recovered(done - started, done - formed, source_position)
 
-    def receive(self) -> Position:
-        """A replacement's state and position, from where the kind keeps them."""
+    def receive(self) -> Place:
+        """A replacement's state and place, from where the kind keeps them."""
         position = self.kind.hand_over(None)
         self.link.took_state()
         return position

@@ -13,6 +13,15 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 
+class Place(Protocol):
+    """Where a loop is, as the source rank sends it after a recovery: any picklable record whose
+    `step` counts the optimizer steps done (xscale.Loop's Position, XscaleTrainer's
+    TrainerPlace, which carries Trainer's own state)."""
+
+    @property
+    def step(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Position:
     """Where a loop is, as the source rank sends it after a recovery: the optimizer steps done
@@ -38,11 +47,11 @@ class StateSize(NamedTuple):
 
 class Recovered(NamedTuple):
     """A recovery done: its seconds from leaving the broken group, those of the state's
-    hand-over, and the position every rank now goes on from."""
+    hand-over, and the place every rank now goes on from."""
 
     seconds: float
     handover_s: float
-    position: Position
+    position: Place
 
 
 class Recoverable(Protocol):
@@ -52,6 +61,11 @@ class Recoverable(Protocol):
     def before_batch(self) -> None:
         """The kind's own collectives outside the step, before each micro-batch (DDP's buffer
         broadcast); raises GroupBroken when the group breaks meanwhile."""
+
+    def before_update(self) -> None:
+        """The kind's own collectives between the step's last backward and its update, for a
+        loop that reads the gradients there (Trainer clips them); raises GroupBroken when the
+        group breaks meanwhile. A loop that does not call it gets them in the update's pre-hook."""
 
     @property
     def step_dropped(self) -> bool:
@@ -69,10 +83,10 @@ class Recoverable(Protocol):
         """Form the next group (the link names its store) and move the kind's collectives to
         it."""
 
-    def hand_over(self, position: Position | None) -> Position:
-        """The state and position, from where the kind keeps them, to every rank of the new
-        group (a collective); None: this rank is a replacement and has none. Returns the
-        position every rank goes on from."""
+    def hand_over(self, position: Place | None) -> Place:
+        """The state and place, from where the kind keeps them, to every rank of the new group
+        (a collective); None: this rank is a replacement and has none. Returns the place every
+        rank goes on from."""
 
     def go_on(self) -> None:
         """The group is whole again: clear what the broken one left (the dropped step)."""
