@@ -320,9 +320,9 @@ def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_ev
     monkeypatch.setenv("XSCALE_NODE_MTBF_H", "100")
     proposals = []
 
-    def vote(reduce=None, watch=None, proposal=None):  # the sum: rank 0's 1200, the others' 0
-        proposals.append(proposal)
-        return runtime.Vote(stop=False, every=None if proposal is None else 1200)
+    def vote(reduce=None, watch=None, proposal=None):
+        proposals.append(proposal)  # the sum at the third vote: rank 0's 1200, the others' 0
+        return runtime.Vote(stop=False, every=1200 if len(proposals) == 3 else None)
 
     monkeypatch.setattr(hf.runtime, "vote", vote)
     for is_main in (True, False):
@@ -340,8 +340,10 @@ def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_ev
                 tally.saved(step, 0.5)  # Trainer's save, timed by _TrainCall
         assert asked == [10, 30]  # the timed save, and the last step's
         # Young: sqrt(2 x 0.5 s x 100 h / 4 nodes) = 300 s, at 0.25 s a step 1200 steps.
-        # Votes at steps 1 (the first), 10 (asks for the timed save), 20 and 30.
-        assert proposals == [None, None, runtime.Proposal(1200.0 if is_main else 0.0), None], \
+        # Votes at steps 1 (the first), 10 (asks for the timed save), 20 and 30; a rank with
+        # no proposal puts 0 to the vote, so that its size is every rank's.
+        none = runtime.Proposal(0.0)
+        assert proposals == [none, none, runtime.Proposal(1200.0 if is_main else 0.0), none], \
             proposals
         assert state.save_steps == auto.every == 1200  # what the vote handed back
     lines = [line for line in capsys.readouterr().out.splitlines() if "auto" in line]

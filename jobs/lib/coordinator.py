@@ -357,7 +357,7 @@ class Coordinator:
             if not peer.live:
                 return "%s cannot be recovered live: %s" % (peer, peer.not_live or (
                     "it is not (or not yet) in a loop that live recovery can re-enter "
-                    "(xscale.Loop with a torch DDP model)"))
+                    "(xscale.Loop or XscaleTrainer with a torch DDP model)"))
         return None
 
     def _host_store(self, host, generation):
