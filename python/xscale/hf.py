@@ -184,19 +184,10 @@ class XscaleTrainer(Trainer):
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.resume_from
         self.train_call.call_begins()
-        while True:
-            try:
-                with links.abortable_collectives():  # Trainer's own gathers too
-                    output = super().train(resume_from_checkpoint=resume_from_checkpoint,
-                                           **kwargs)
-                break
-            except Exception as error:
-                if not self.live_steps.recoverable(error):
-                    raise
-            # Outside the handler: the broken loop's frames, its DataLoader workers with them,
-            # are gone before the recovery begins.
-            resume_from_checkpoint = self.live_steps.recover()
-        self.live_steps.forget()
+        try:
+            output = self._train_recovering(resume_from_checkpoint, **kwargs)
+        finally:
+            self.live_steps.forget()
         self.tally.end(self.train_call.end_step, self.stopped)
         self.saved = _checkpoint_written(self.args.output_dir, self.train_call)
         if self.stopped and self.ctx.is_main:
@@ -205,6 +196,20 @@ class XscaleTrainer(Trainer):
         if self.report_at_end:
             self.report()
         return output
+
+    def _train_recovering(self, resume_from_checkpoint: str | bool | None, **kwargs: Any) -> Any:
+        """Trainer.train, begun again after each live recovery (_LiveSteps)."""
+        while True:
+            try:
+                with links.abortable_collectives():  # Trainer's own gathers too
+                    return super().train(resume_from_checkpoint=resume_from_checkpoint,
+                                         **kwargs)
+            except Exception as error:
+                if not self.live_steps.recoverable(error):
+                    raise
+            # Outside the handler: the broken loop's frames, its DataLoader workers with them,
+            # are gone before the recovery begins.
+            resume_from_checkpoint = self.live_steps.recover()
 
     # Trainer's resume, from the state a live recovery handed over instead of a checkpoint.
 
@@ -626,7 +631,7 @@ class _LiveSteps(TrainerCallback):
             scaler.load_state_dict(place.scaler)
 
     def forget(self) -> None:
-        """The train() call is over: the folder goes."""
+        """The train() call is over, or failed: the folder goes."""
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
