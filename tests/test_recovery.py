@@ -288,13 +288,18 @@ def test_a_loop_without_torch_ddp_says_why_it_cannot_be_recovered_live(monkeypat
                               "torch's DistributedDataParallel"), said
     monkeypatch.setattr(ddp_kind, "DDP", nn.Linear)  # a DDP, for the checks that follow
     assert live.for_loop(ctx, model, None)[1].startswith("the loop was given no optimizer")
-    # A model that fully_shard made (FSDPModule, as the check sees it): its shards are nowhere
-    # else, whatever else the loop has.
+    # A model that fully_shard made (FSDPModule, as the check sees it): its shards are held
+    # nowhere else but in peer snapshots, which need a peer on another node, and a step to
+    # drop.
     monkeypatch.setitem(sys.modules, "torch.distributed.fsdp",
                         types.SimpleNamespace(FSDPModule=nn.Linear))
-    assert live.for_loop(ctx, model, optimizer)[1] == (
-        "the model is sharded (FSDP2): a lost rank's shard is held by no other rank, so it "
-        "comes back from the newest checkpoint")
+    one_node = types.SimpleNamespace(nnodes=1)
+    assert live.for_loop(one_node, model, optimizer)[1] == (
+        "its ranks are on one node: a snapshot needs a peer on another")
+    assert live.for_loop(one_node, model, None)[1].startswith("the loop was given no optimizer")
+    monkeypatch.setenv("XSCALE_SNAPSHOT_EVERY", "0")
+    assert live.for_loop(types.SimpleNamespace(nnodes=2), model, optimizer)[1] == (
+        "XSCALE_SNAPSHOT_EVERY=0: no peer snapshots, and a lost shard is held nowhere else")
     monkeypatch.setattr(rank_link, "_link", None)
     assert live.for_loop(ctx, model, optimizer) == (None, None)
 
@@ -360,3 +365,82 @@ def test_a_frameworks_blocking_collective_ends_as_soon_as_the_group_is_broken(mo
         peer.wait()
         dist.distributed_c10d._abort_process_group()
     assert dist.all_gather is original and dist.distributed_c10d.all_gather is original
+
+
+def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path: Path):
+    """FSDP2 (live_ranks.py with MODEL=fsdp), three ranks on three nodes, a peer snapshot every
+    10 steps: rank 2 is killed as step 31 ends. Its shard is held by no other rank but its
+    buddy's snapshot (rank 0's, the same local rank on the next node): the replacement takes it
+    from there, the survivors keep their processes and roll back in place to step 30, and the
+    run ends with the model and optimizer state an uninterrupted run ends with, whole on every
+    rank. No checkpoint is read (there is none)."""
+    host_side = host_module("coordinator")
+    port, started, steps = free_port(), {}, 40
+
+    def env(rank: int, node: int, **extra: str) -> dict[str, str]:
+        values = rank_env(rank, 3, port, SLURMD_NODENAME=f"n{node}", MAX_STEPS=str(steps),
+                          MODEL="fsdp", XSCALE_SNAPSHOT_EVERY="10", **extra)
+        values.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank), NNODES="3")
+        return values
+
+    def start(rank: int, node: int, run: str = "live", **extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path / run)],
+                                env=env(rank, node, **extra), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def replace(nodes: list[str], generation: int) -> list[str]:
+        started["replacement"] = start(2, 3, XSCALE_RECOVERY=coordinator.address,
+                                       XSCALE_RECOVERY_JOIN=str(generation))
+        return ["n3"]
+
+    uninterrupted = [start(rank, rank, "uninterrupted") for rank in range(3)]
+    reference = results_of([(proc.wait(timeout=120), *proc.communicate(timeout=10))
+                            for proc in uninterrupted])
+    coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
+    coordinator.start()
+    try:
+        ranks = [start(rank, rank, XSCALE_RECOVERY=coordinator.address, DIE_AT="31",
+                       DIE_RANK="2", DIE_HOW="kill") for rank in range(3)]
+        ranks[2].wait(timeout=120)
+        runs = [proc.communicate(timeout=120) for proc in (ranks[0], ranks[1])]
+        assert "replacement" in started, runs[0][1][-3000:]  # the coordinator fell back
+        runs.append(started["replacement"].communicate(timeout=120))
+        codes = [ranks[0].returncode, ranks[1].returncode, started["replacement"].returncode]
+    finally:
+        coordinator.stop()
+        for proc in [*ranks, *started.values()]:
+            proc.kill()
+    assert ranks[2].returncode == -9
+    records = results_of([(code, out, err) for code, (out, err) in zip(codes, runs, strict=True)])
+    assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
+        (0, 0, steps), (1, 0, steps), (2, 30, steps)], records
+    assert "training goes on at step 30" in runs[0][0] + runs[0][1], runs[0]
+    assert len({r["digest"] for r in records}) == 1, records
+    assert records[0]["digest"] == pytest.approx(reference[0]["digest"], rel=1e-9), reference
+    assert coordinator.finished(wait_s=5.0)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_peer_snapshot_comes_back_whole_or_not_at_all(corrupt: bool):
+    """Rank 1's snapshot is held by rank 0 (its buddy, on the other node). Restored, the
+    survivor (rank 0) has its own state of the snapshot's step back and the replacement (rank
+    1) the copy its buddy held, shard sizes and dtypes as they were, and both go on from the
+    source's place. One byte flipped in the held copy: its CRC-32 does not match, and neither
+    rank loads anything: both refuse with the same line."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    program = REPO / "tests" / "programs" / "snapshot_pair.py"
+    ranks = [subprocess.Popen([sys.executable, str(program), address],
+                              env=rank_env(rank, 2, 0, CORRUPT="1" if corrupt else "0"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    outcomes = [(proc.wait(timeout=60), *proc.communicate(timeout=10)) for proc in ranks]
+    records = results_of(outcomes)
+    if corrupt:
+        assert records == [{"refused": "the snapshot of rank 1 at step 10 fails its checksum: "
+                                       "it is not loaded, and the launch falls back to its "
+                                       "newest checkpoint"}] * 2, records
+        return
+    assert [r["state"] for r in records] == [
+        [[0.0, 1.0, 2.0, 3.0, 4.0], 7, [0.5, 0.5, 0.5]],
+        [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 8, [0.5, 0.5, 0.5]]], records
+    assert [r["place"] for r in records] == [[10, 0], [10, 0]], records

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,11 @@ from tests.helpers import (
     rank_records,
     run_forked,
     summary,
+    tagged_records,
     wait_for,
     whole_summary_lines,
 )
+from tests.test_failures import job_fields, job_nodes, past_step, trainer_pids
 from tests.test_jobs import check_startup_phases, check_summary, lumi, submit, virtual_env
 from tests.test_own_scripts import JOB as OWN_SCRIPT_JOB
 from tests.test_own_scripts import (
@@ -601,3 +604,47 @@ def test_imagenet_deepspeed_on_two_nodes_stops_on_usr1_and_resumes(cluster, imag
     block_placed(ranks)  # ranks 0-1 on one node, 2-3 on another
     assert {r["steps"] for r in ranks} == {stopped_at + 4}
     assert len({r["param_digest"] for r in ranks}) == 1, ranks  # replicas are identical
+
+
+def test_imagenet_with_fsdp_outlives_a_crashed_node_from_peer_snapshots(cluster, images,
+                                                                          tmp_path):
+    """--fsdp on three nodes, one rank each, and a spare: no rank holds another's shard, so
+    every 4 steps each rank's shard goes to host memory and to its buddy on the next node
+    (XSCALE_SNAPSHOT_EVERY). nid002 crashed mid-run: the spare's rank takes the lost shard from
+    its buddy, the survivors keep their processes and roll back to the snapshot's step (at most
+    4 steps redone), nobody reads a checkpoint, and the job completes in its allocation."""
+    folder, _ = images
+    out, output = tmp_path / "out", tmp_path / "job.out"
+    steps = 24
+    job_id = cluster.submit(OWN_SCRIPT_JOB, IMAGENET, "--fsdp", *VISION_TINY, "-b", "16",
+                            "--output-dir", str(out), "--max-steps", str(steps), str(folder),
+                            output=output,
+                            sbatch_options=("--nodes=4", "--ntasks-per-node=1", "--no-kill"),
+                            env={"OUTPUT_DIR": str(out), "XSCALE_SPARES": "1",
+                                 "XSCALE_SNAPSHOT_EVERY": "4", "OMP_NUM_THREADS": "1"})
+    progress = out / "xscale-records" / "attempt0-launch1.progress"
+    crashed = None
+    try:
+        nodes = job_nodes(job_id)  # nodes[3] is the spare
+        wait_for(lambda: past_step(progress, 5), 300, "training under way")
+        before = trainer_pids(job_id)
+        crashed, crashed_at = nodes[1], time.monotonic()
+        cluster.fault("crash", crashed)
+        went_on = wait_for(lambda: re.search(r"training goes on at step (\d+)",
+                                             output.read_text()), 120, "the live recovery")
+        recovered_s = time.monotonic() - crashed_at
+        after = trainer_pids(job_id)
+        state = cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+        if crashed is not None:
+            cluster.fault("heal", crashed)
+    text = output.read_text()
+    assert state == "COMPLETED" and job_fields(job_id)["Restarts"] == "0", text[-4000:]
+    assert f"xscale: live recovery: {nodes[3]} in place of {crashed}" in text, text[-4000:]
+    assert "resuming from" not in text and "live recovery is off" not in text, text[-4000:]
+    assert int(went_on[1]) % 4 == 0 and int(went_on[1]) >= 4, went_on[0]
+    assert all(after[rank] == before[rank] for rank in (0, 2)), (before, after)
+    summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
+    assert summary["steps"] == steps and summary["world_size"] == 3, summary
+    print(f"{crashed} crashed: {went_on[0]}, {recovered_s:.1f} s after the crash")

@@ -399,6 +399,10 @@ class Loop:
             print(f"xscale: live recovery is off for this run: {not_live}; a lost node "
                   "restarts the launch on a spare instead (docs/YOUR-SCRIPT.md)", flush=True)
         joining = self.live is not None and self.live.link.joining
+        # A replacement takes the survivors' position (and their model) instead of a
+        # checkpoint, before it makes its saver: the survivors remake theirs after the hand-over
+        # too (Saver.regroup), and the collectives meet.
+        received = self.live.receive() if joining else None
         self.saver, resumed = _saver_and_resume(ctx, model, optimizer, scaler, scheduler, config,
                                                 config.resume and not joining)
         self.start_step = self.step = resumed or 0
@@ -410,8 +414,6 @@ class Loop:
         self._micro = self._handed_out = 0
         self._voted_at: int | None = None
         self._moved = False  # a live recovery moved this rank to the source's position
-        # A replacement takes the survivors' position (and their model) instead of a checkpoint.
-        received = self.live.receive() if joining else None
         if received is not None:
             self.start_step = self.step = received.step
         self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
@@ -537,9 +539,15 @@ class Loop:
         if self.step == self.start_step + 1:
             self.tally.first_step(self.step)
         self.log.advance()
-        if self.live is not None and self.live.broken:
-            self._recover()  # broken after this rank's update: its save and vote are gone too
-            return
+        if self.live is not None:
+            try:
+                if not self.live.broken:
+                    self.live.after_step(self._position())  # a sharded kind's peer snapshot
+            except GroupBroken:
+                pass
+            if self.live.broken:
+                self._recover()  # broken after this rank's update: its save and vote are gone
+                return
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             try:
                 self._save()
@@ -621,6 +629,8 @@ class Loop:
         every rank from the source rank's position (module xscale.recovery)."""
         self.tally.flops.cancel()  # a step left half-done: count the next whole one
         recovered = self.live.recover(self._position())
+        if self.saver is not None:
+            self.saver.regroup()  # where the replacement makes its saver
         self._take_position(recovered.position)
         self.stragglers.restart(gather_to_rank0(contract.node_name()))  # a node changed
         self.message(f"{self.prog}: live recovery: training goes on at step {self.step}, "

@@ -216,7 +216,11 @@ def per_rank(total: int, ctx: DistContext, option: str) -> int:
 
 
 def _ranks_per_node_range(ctx: DistContext) -> tuple[int, int]:
-    """(fewest, most) ranks on any node of the job."""
+    """(fewest, most) ranks on any node of the job. A live recovery's replacement takes the
+    lost ranks' places, which passed the check: it asks nobody (the survivors are in their
+    recovery, whose collectives come first)."""
+    if links.joining():
+        return ctx.local_world_size, ctx.local_world_size
     minus_fewest, most = all_reduce_max([-ctx.local_world_size, ctx.local_world_size])
     return -minus_fewest, most
 

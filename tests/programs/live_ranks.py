@@ -1,6 +1,7 @@
 """A rank of a small DDP training through xscale.Loop, or with FORM=prepared xscale.prepare's
 short form (a BatchNorm layer, Adam, one DataLoader worker), for live recovery's tests:
-MAX_STEPS steps of ACCUMULATION micro-batches each.
+MAX_STEPS steps of ACCUMULATION micro-batches each. With MODEL=fsdp the model is sharded by
+FSDP2 (fully_shard) instead, through xscale.Loop.
 
 - With DIE_HOW=raise, the rank in DIE_RANK raises (a bug) as it begins the step after DIE_AT,
   in every process of that rank, those started again included.
@@ -16,7 +17,8 @@ MAX_STEPS steps of ACCUMULATION micro-batches each.
   a one-class classifier: its accuracy is 1, or NaN when the evaluation was cut short).
 
 Each rank prints `RESULT {json}` at its end: its pid, the step it started at, the steps, a
-digest of its parameters and optimizer state (equal on every rank of a healthy DDP run), of the
+digest of its parameters and optimizer state (equal on every rank of a healthy DDP run; FSDP2's
+are gathered whole first), of the
 batch it trained each micro-batch on ("STEP.MICRO"), of the gradients each optimizer step
 applied, and its evaluation's accuracy.
 """
@@ -48,6 +50,7 @@ ACCUMULATION = int(os.environ.get("ACCUMULATION", "1"))
 PREPARED = os.environ.get("FORM", "loop") == "prepared"
 CHECKPOINT_EVERY = int(os.environ.get("CHECKPOINT_EVERY", "0"))
 EVALUATE_AT = int(os.environ.get("EVALUATE_AT", "-1"))
+SHARDED = os.environ.get("MODEL", "ddp") == "fsdp"
 
 
 def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
@@ -56,7 +59,17 @@ def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     tensors = list(model.parameters())
     for state in optimizer.state.values():
         tensors += [value for value in state.values() if torch.is_tensor(value)]
-    return float(sum(tensor.double().sum() for tensor in tensors))
+    return float(sum(whole(tensor).double().sum() for tensor in tensors))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded DTensor gathered whole (a collective), a plain tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (no collective), a plain tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class Watch:
@@ -78,7 +91,7 @@ class Watch:
         """The summed gradients the step applies; none in a dropped step."""
         present = [p.grad for p in self.model.parameters() if p.grad is not None]
         if present:
-            self.gradients[self.loop.step + 1] = float(sum(g.double().abs().sum()
+            self.gradients[self.loop.step + 1] = float(sum(local(g).double().abs().sum()
                                                            for g in present))
 
     def evaluate(self, ctx: xscale.Context) -> None:
@@ -153,14 +166,26 @@ def prepared(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Optim
     return watch
 
 
+def sharded(layers: nn.Sequential, ctx: xscale.Context) -> nn.Module:
+    """FSDP2: each Linear a unit of its own, and the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    for layer in layers:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(layers, mesh=mesh)
+
+
 def main() -> None:
     ctx = xscale.start(backend="gloo")
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(4096, 32, generator=generator)
     data = TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64),
-                                                  nn.ReLU(), nn.Linear(64, 1)))
+    layers = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1))
+    model = sharded(layers, ctx) if SHARDED else DistributedDataParallel(layers)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = xscale.loader(data, ctx, batch_size=16, workers=1)
     watch = (prepared if PREPARED else with_loop)(ctx, model, optimizer, loader)

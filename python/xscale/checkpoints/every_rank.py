@@ -56,6 +56,13 @@ def checkpoint_group() -> dist.ProcessGroup | None:
     return _group
 
 
+def forget_group() -> None:
+    """The checkpoints' group was aborted with the broken one (live recovery): the next use
+    makes another."""
+    global _group
+    _group = None
+
+
 def run_token(group: dist.ProcessGroup | None) -> str:
     """A name this run's ranks agree on (rank 0's, broadcast): the part of a temporary directory's
     name that tells this run's writes from those an earlier, killed run left behind."""

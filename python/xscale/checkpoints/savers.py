@@ -52,6 +52,10 @@ class Saver(Protocol):
 
     def wait(self) -> None: ...
 
+    def regroup(self) -> None:
+        """After a live recovery, on every rank at the same point (the replacement makes its
+        saver there): what the saver agreed on with the broken group, agreed on again."""
+
     @property
     def last_write_s(self) -> float: ...
 
@@ -70,6 +74,9 @@ class ForegroundSaver:
 
     def wait(self) -> None:
         """Nothing is written in the background."""
+
+    def regroup(self) -> None:
+        """Nothing agreed on: the save function's own collectives use the group there is."""
 
 
 class BackgroundWriter:
@@ -136,6 +143,9 @@ class TrainingSaver:
     def wait(self) -> None:
         self.writer.wait()
 
+    def regroup(self) -> None:
+        """Nothing agreed on: the generators' gather uses the group there is."""
+
     @property
     def last_write_s(self) -> float:
         """How long the last background write took, on rank 0 to its publication (0 in sync
@@ -160,6 +170,14 @@ class EveryRankSaver(TrainingSaver):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.stager = every_rank.pinned_stager() if mode == "async" else None
+
+    def regroup(self) -> None:
+        """The checkpoints' group went with the broken one: a new one, and rank 0's run token
+        handed to every rank again (a replacement has drawn its own)."""
+        self.writer.wait()
+        every_rank.forget_group()
+        self.group = every_rank.checkpoint_group()
+        self.token = every_rank.run_token(self.group)
 
     def __call__(self, step: int, epoch: int) -> Path:
         # Every rank, not only rank 0: the previous save's collectives on the checkpoints' group

@@ -58,9 +58,6 @@ def prepare_replacement() -> None:
 
 def why_not(model: nn.Module, optimizer: Any) -> str | None:
     """Why this loop's training cannot be recovered as a DDP model; None: it can."""
-    if xdist.is_sharded(model):
-        return ("the model is sharded (FSDP2): a lost rank's shard is held by no other rank, "
-                "so it comes back from the newest checkpoint")
     if not isinstance(model, DDP):
         kind = type(model)
         return (f"the loop's model is a {kind.__module__}.{kind.__qualname__}, not torch's "
@@ -149,6 +146,9 @@ class DdpRecovery:
         if self.layout_free and not self.broken:
             self._sum_in_parameter_order()
             self.layout_free = False
+
+    def after_step(self, place: Place) -> None:
+        """Nothing: a survivor's copy serves a replacement (the state is replicated)."""
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Drop the gradients of a broken step, so that the step changes nothing; on the first

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -162,9 +162,16 @@ class Link:
                                    wait_for_workers=False, timeout=STORE_TIMEOUT)
         self.send(contract.Store(address=[host, self.store.port]))
 
+    def cannot_recover(self, why: str) -> NoReturn:
+        """This rank found live recovery not possible, for WHY: one line, and it exits as at the
+        coordinator's FALLBACK (the others find the same, or hear the fallback)."""
+        self._leave_process(why)
+
     def _exit(self, why: str) -> None:
-        if self.closed:
-            return  # its training is over; the launch ends anyway
+        if not self.closed:  # else its training is over; the launch ends anyway
+            self._leave_process(why)
+
+    def _leave_process(self, why: str) -> NoReturn:
         print(f"xscale: rank {self.rank}: live recovery is not possible ({why}); this rank "
               f"exits, and the supervisor restarts the launch or requeues the job", flush=True,
               file=sys.stderr)
@@ -242,17 +249,39 @@ def wait(work: Any) -> None:
     if _link is None:
         work.wait()
         return
-    done, generation = threading.Event(), _link.generation
-    future = work.get_future()
-    future.add_done_callback(lambda _: done.set())
-    while not done.wait(POLL_S):
+    generation = _link.generation
+    waiting = _Waiting(work)
+    while not waiting.ended.wait(POLL_S):
         if _link.broken.is_set():
             raise GroupBroken("the group is broken")
-    try:
-        future.value()
-    except Exception as error:  # gloo: "Connection closed by peer", a timeout...
-        _link.declare_broken(str(error), generation)
-        raise GroupBroken(str(error)) from None
+    if waiting.error is not None:  # gloo: "Connection closed by peer", a timeout...
+        _link.declare_broken(str(waiting.error), generation)
+        raise GroupBroken(str(waiting.error)) from None
+
+
+class _Waiting:
+    """A work's end, as an event, and its error. Its future sets the event at once; gloo's send,
+    receive and reduce-scatter have none, and run only when waited for: a thread of their own
+    waits for them, once (a receive waited for twice waits for a second message)."""
+
+    def __init__(self, work: Any) -> None:
+        self.ended = threading.Event()
+        self.error: BaseException | None = None
+        try:
+            future = work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented"
+            threading.Thread(target=self._wait, args=(work.wait,), daemon=True,
+                             name="xscale-wait").start()
+        else:
+            future.add_done_callback(lambda _: self._wait(future.value))
+
+    def _wait(self, wait: Callable[[], Any]) -> None:
+        try:
+            wait()
+        except Exception as error:
+            self.error = error
+        finally:
+            self.ended.set()
 
 
 # torch.distributed's collectives that a framework's own loop calls blocking (below).

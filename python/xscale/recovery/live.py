@@ -3,9 +3,10 @@ does the kind's work before a batch, and recovers (docs/FAILURES.md, "Live recov
 
 Only under the supervisor with spares (it exports XSCALE_RECOVERY, and the rank's link reached
 the coordinator). `for_loop` picks the kind of training that serves the loop's model
-(xscale.recovery.protocol.Recoverable; DDP is the only one yet) or says why none does; the
-recovery's steps are the same for every kind: leave the broken group, tell the coordinator,
-form the next, hand the state over, go on from the source's position.
+(xscale.recovery.protocol.Recoverable: DDP's, replicated; FSDP2's, sharded, from peer
+snapshots) or says why none does; the recovery's steps are the same for every kind: leave the
+broken group, tell the coordinator, form the next, hand the state over, go on from the source's
+position. A sharded kind's snapshots that cannot serve end live recovery with one line.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from typing import Any
 
 from torch import nn
 
-from xscale.dist import DistContext
+from xscale.dist import DistContext, is_sharded
 from xscale.recovery import ddp
 from xscale.recovery import link as links
 from xscale.recovery.protocol import Place, Recoverable, Recovered
+from xscale.recovery.snapshots import SnapshotUnusable
+from xscale.shared import settings
 
 
 class Live:
@@ -43,6 +46,9 @@ class Live:
     def before_update(self) -> None:
         self.kind.before_update()
 
+    def after_step(self, place: Place) -> None:
+        self.kind.after_step(place)
+
     def recover(self, position: Place) -> Recovered:
         """Leave the broken group, form the next, and go on from the source rank's position,
         which every rank takes (its model is the one every rank now has)."""
@@ -51,7 +57,7 @@ class Live:
         self.link.left(position.step)
         self.kind.reform()
         formed = time.perf_counter()
-        source_position = self.kind.hand_over(position)
+        source_position = self._hand_over(position)
         self.link.took_state()
         self.kind.go_on()
         done = time.perf_counter()
@@ -59,9 +65,15 @@ class Live:
 
     def receive(self) -> Place:
         """A replacement's state and place, from where the kind keeps them."""
-        position = self.kind.hand_over(None)
+        position = self._hand_over(None)
         self.link.took_state()
         return position
+
+    def _hand_over(self, position: Place | None) -> Place:
+        try:
+            return self.kind.hand_over(position)
+        except SnapshotUnusable as error:  # every rank meets it: the others' checks are its
+            self.link.cannot_recover(str(error))
 
     def close(self) -> None:
         """The training is over: a failure from here on ends the launch as before."""
@@ -75,8 +87,16 @@ def for_loop(ctx: DistContext, model: nn.Module,
     link = links.link()
     if link is None:
         return None, None
-    why = ddp.why_not(model, optimizer)
-    if why is not None:
+    if is_sharded(model):  # the script imported FSDP: so may the kind (else it is spared)
+        from xscale.recovery import fsdp
+
+        every = settings.value("XSCALE_SNAPSHOT_EVERY")
+        why = fsdp.why_not(model, optimizer, ctx.nnodes, every)
+        kind = None if why else fsdp.FsdpRecovery(model, optimizer, link, ctx, every)
+    else:
+        why = ddp.why_not(model, optimizer)
+        kind = None if why else ddp.DdpRecovery(model, optimizer, link, ctx)
+    if kind is None:
         link.not_live(why)
         return None, why
-    return Live(ddp.DdpRecovery(model, optimizer, link, ctx), link), None
+    return Live(kind, link), None

@@ -67,6 +67,11 @@ class Recoverable(Protocol):
         loop that reads the gradients there (Trainer clips them); raises GroupBroken when the
         group breaks meanwhile. A loop that does not call it gets them in the update's pre-hook."""
 
+    def after_step(self, place: Place) -> None:
+        """A step was counted, its update made on every rank: the kind's own work at the
+        step's end (a sharded kind's peer snapshot, every K steps); raises GroupBroken when the
+        group breaks meanwhile."""
+
     @property
     def step_dropped(self) -> bool:
         """Whether the group broke before this step's update, which was therefore not made: the

@@ -181,6 +181,10 @@ SETTINGS = (
     Setting("XSCALE_NODE_MTBF_H", number(above=0, unit="hours"), NODE_MTBF_H,
             "a node's mean time between failures, for --checkpoint-every auto", TRAINERS,
             shown="6335 (Llama 3's 419 failures in 54 days on 2,048 nodes)"),
+    Setting("XSCALE_SNAPSHOT_EVERY", whole(0), 20,
+            "with live recovery and a sharded model (FSDP2): a peer snapshot every this many "
+            "steps, the most a recovery redoes (docs/FAILURES.md); 0: none, and a lost node "
+            "restarts the launch from its checkpoint", TRAINERS),
     Setting("XSCALE_STRAGGLER_FACTOR", number(above=1), 2.0,
             "a rank whose own work per step is this many times the median rank's is named",
             TRAINERS),

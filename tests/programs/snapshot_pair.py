@@ -1,0 +1,45 @@
+"""Two ranks on two nodes of their own, peer snapshots between them (xscale.recovery.snapshots):
+each takes a snapshot of its state at step 10, changes its state, and then rank 1 plays a
+replacement (it lost its state: zeros), rank 0 a survivor, and both restore. With CORRUPT=1 rank 0
+flips one byte of the copy it holds for rank 1 first. Each rank prints `RESULT {json}`: its
+state after the restore and the place it goes on from, or the line that refused the restore."""
+
+import datetime
+import json
+import os
+import sys
+import threading
+import types
+
+import torch
+import torch.distributed as dist
+from xscale.recovery import link as links
+from xscale.recovery import snapshots
+
+
+def main() -> None:
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method=sys.argv[1], rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    links._link = types.SimpleNamespace(broken=threading.Event(), generation=0,
+                                        declare_broken=lambda why, generation: None)
+    # Shards of different sizes, and dtypes of different widths (FSDP2's, Adam's step).
+    state = [torch.arange(5.0 + rank), torch.tensor(7 + rank, dtype=torch.int64),
+             torch.full((3,), 0.5, dtype=torch.float16)]
+    peer = snapshots.PeerSnapshots(lambda: state, rank, 2, 1, every=10)
+    peer.take(10, types.SimpleNamespace(step=10, rank=rank))
+    for tensor in state:
+        tensor.zero_() if rank == 1 else tensor.add_(1)  # the replacement's state is gone
+    if rank == 0 and os.environ.get("CORRUPT") == "1":
+        peer.slots[0].held[snapshots.HEADER.size + 2] ^= 0xFF
+    try:
+        place = peer.restore(joining=rank == 1, source=0)
+    except snapshots.SnapshotUnusable as error:
+        print("RESULT " + json.dumps({"refused": str(error)}), flush=True)
+        return
+    print("RESULT " + json.dumps({"state": [t.tolist() for t in state],
+                                  "place": [place.step, place.rank]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
