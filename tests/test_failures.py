@@ -658,7 +658,11 @@ def test_a_killed_rank_starts_again_on_its_own_node_and_the_others_train_on(
         subprocess.run(["scancel", job_id], timeout=30, check=False)
     text = output.read_text()
     assert state == "COMPLETED", text[-4000:]
-    assert f"xscale: live recovery: rank 3 on {node} (pid {before[3]}) is gone" in text, text
+    leaves = [line for line in text.splitlines() if "every rank leaves" in line]
+    # Whichever the coordinator hears first: rank 3's link closing, or a peer's collective
+    # failing for want of it (a ring's neighbour).
+    assert len(leaves) == 1 and (f"rank 3 on {node} (pid {before[3]}) is gone" in leaves[0]
+                                 or "collective failed" in leaves[0]), leaves
     assert f"xscale: live recovery: rank 3 starts again on {node}, its node" in text, text
     assert all(after[rank] == before[rank] for rank in (0, 1, 2, 4, 5)), (before, after)
     assert (after[3] != before[3], restarted_on) == (True, node), (before, after, restarted_on)

@@ -1,6 +1,6 @@
 """Live recovery of an FSDP2 model (torch's fully_shard) in xscale.Loop: a kind of training whose
-state is sharded (xscale.recovery.protocol.Recoverable; docs/FAILURES.md, "Live recovery of a
-sharded model").
+state is sharded (xscale.recovery.protocol.Recoverable; docs/FAILURES.md, "A sharded model:
+peer snapshots").
 
 - A lost rank's shard of the weights and of the optimizer's state is held by no other rank: it
   comes back from the peer snapshots (xscale.recovery.snapshots), taken every K steps at the
@@ -122,10 +122,11 @@ class FsdpRecovery:
         joining = position is None
         if joining:
             self._make_optimizer_state()
-        else:  # FSDP's state as at a first step, as the replacement's (torch's reset for a
-            self.model.reset_iter_state()  # forward or backward cut short): a step or an
-            # evaluation the break left half done leaves no gather, reduction or recorded
-            # forward order behind that the replacement does not have
+        else:
+            # FSDP's per-iteration state as at a first step, as the replacement's: a step or an
+            # evaluation the break cut short leaves no gather, reduction or recorded forward
+            # order behind (torch's reset for a forward or backward cut short).
+            self.model.reset_iter_state()
         return self.snapshots.restore(joining, self.link.source)
 
     def _make_optimizer_state(self) -> None:

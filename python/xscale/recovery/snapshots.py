@@ -15,8 +15,8 @@ line, and the launch falls back to its newest checkpoint.
 
 The copies travel on a gloo group of their own (host memory to host memory, whatever the
 training's backend), made again after every recovery. The copy to host memory and the exchange
-are made at the step's end, in the training's thread: the step waits for them (their cost sets
-K: docs/FAILURES.md).
+are made at the step's end, in the training's thread: the step waits for them, every K steps
+(XSCALE_SNAPSHOT_EVERY; a copy in the background, and K from the copy's cost, are not built).
 """
 
 from __future__ import annotations
@@ -81,14 +81,13 @@ class PeerSnapshots:
     def __init__(self, state: Callable[[], list[torch.Tensor]], rank: int, world_size: int,
                  per_node: int, every: int) -> None:
         self.state, self.rank, self.world_size = state, rank, world_size
-        self.every = every
+        self.per_node, self.every = per_node, every
         self.buddy = buddy(rank, world_size, per_node)
         self.partner = partner(rank, world_size, per_node)
         self.slots: list[Slot] = []
         self.sized = False  # the ranks' sizes gathered (again after a recovery, by every rank)
         self.group: dist.ProcessGroup | None = None  # made at the first snapshot
         self.taken = 0
-        self.last_s = 0.0  # the last snapshot's seconds, copy and exchange
 
     # ---- taking them ----------------------------------------------------------------------
 
@@ -108,6 +107,11 @@ class PeerSnapshots:
             if not self.slots:  # a survivor keeps its own: the partner's place is the same
                 self.slots = [Slot(_host_bytes(sizes[self.rank]),
                                    _host_bytes(sizes[self.partner])) for _ in range(2)]
+                if self.rank == 0:
+                    print(f"xscale: peer snapshots every {self.every} steps: "
+                          f"{2 * (sizes[0] + sizes[self.partner]) / 2**20:.1f} MiB of host "
+                          "memory on rank 0 (its two snapshots, and two of its partner's)",
+                          flush=True)
             self.sized = True
         slot = self.slots[self.taken % 2]
         slot.step = slot.held_step = None
@@ -124,10 +128,6 @@ class PeerSnapshots:
             dist.P2POp(dist.irecv, slot.held, self.partner, self.group)])
         for work in works:
             links.wait(work)
-
-    def memory_bytes(self) -> int:
-        """Host memory the snapshots take on this rank: two slots of two copies."""
-        return 4 * (HEADER.size + payload_bytes(self.state()))
 
     # ---- a recovery -----------------------------------------------------------------------
 
@@ -167,11 +167,10 @@ class PeerSnapshots:
     def _agreed_step(self, inventories: list[Any]) -> int:
         """The newest step every survivor holds its own copy of, and every replacement's buddy
         (itself a survivor) holds the replacement's copy of."""
-        per_node = (self.buddy - self.rank) % self.world_size
         candidates: set[int] | None = None
         for rank, (joining, steps) in enumerate(inventories):
             if joining:
-                holder = buddy(rank, self.world_size, per_node)
+                holder = buddy(rank, self.world_size, self.per_node)
                 if inventories[holder][0]:
                     raise SnapshotUnusable(
                         f"rank {rank} and rank {holder}, which held its snapshot, were lost "
@@ -194,7 +193,7 @@ class PeerSnapshots:
         works = []
         own = self._slot(step).own if not joining else _host_bytes(self._size())
         for rank, (rank_joining, _) in enumerate(inventories):
-            holder = buddy(rank, self.world_size, (self.buddy - self.rank) % self.world_size)
+            holder = buddy(rank, self.world_size, self.per_node)
             if rank_joining and holder == self.rank:
                 works.append(dist.isend(self._held_slot(step).held, rank, group=self.group))
         if joining:
