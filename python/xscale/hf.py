@@ -32,6 +32,7 @@ from xscale import lifecycle, runtime
 from xscale.dist import (
     choose_backend,
     choose_device,
+    is_sharded,
     probe_accelerator,
     reach_coordinator,
     read_placement,
@@ -539,8 +540,13 @@ class _LiveSteps(TrainerCallback):
             return
         self._asked = True
         trainer = self.trainer
-        self.live, why = live.for_loop(trainer.ctx, trainer.model_wrapped,
-                                       _torch_optimizer(trainer.optimizer))
+        if is_sharded(trainer.model_wrapped) and links.link() is not None:
+            why = ("the model is sharded (FSDP through accelerate): Trainer's loop takes no peer "
+                   "snapshots, and a lost shard is held nowhere else")
+            links.link().not_live(why)
+        else:
+            self.live, why = live.for_loop(trainer.ctx, trainer.model_wrapped,
+                                           _torch_optimizer(trainer.optimizer))
         if why is not None and trainer.ctx.is_main:
             print(f"xscale: live recovery is off for this run: {why}; a lost node restarts the "
                   "launch on a spare instead (docs/YOUR-SCRIPT.md)", flush=True)
