@@ -535,37 +535,6 @@ def last_step(progress: Path) -> int:
     return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
 
 
-def test_a_crashed_node_s_step_restarts_on_the_spare_when_live_recovery_is_off(
-        cluster, mnist_data, tmp_path):
-    """What a trainer that cannot recover live gets from a spare (XSCALE_LIVE_RECOVERY=0 here;
-    Hugging Face's Trainer and DeepSpeed always): 2 x 2 ranks and one spare, a node crashed
-    after the first checkpoint. Slurm declares it failed, the report names it, and the step
-    starts again on the spare in the same allocation, from that checkpoint, to the end."""
-    out_dir, output = tmp_path / "out", tmp_path / "job.out"
-    job_env = virtual_env(tmp_path, DATA=str(mnist_data), OUTPUT_DIR=str(out_dir),
-                          MAX_STEPS=str(RETRY_STEPS), XSCALE_SPARES="1", XSCALE_LIVE_RECOVERY="0")
-    job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", str(RETRY_EVERY), "--epochs", "10",
-                            env=job_env, output=output, sbatch_options=(*VIRTUAL, "--nodes=3"))
-    with crashing(cluster, job_id) as crash:
-        nodes = job_nodes(job_id)  # nodes[2] is the spare
-        wait_for(lambda: (out_dir / f"ckpt-{RETRY_EVERY:06d}.pt").exists(), 240,
-                 "the first checkpoint")
-        crash(nodes[1])
-        state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
-        restarts = job_fields(job_id)["Restarts"]
-    text = output.read_text()
-    assert (state, restarts) == ("COMPLETED", "0"), text[-4000:]
-    assert f"xscale: first failure: node {nodes[1]} failed (srun: Node failure), and with it " \
-        "ranks 2-3" in text, text[-4000:]
-    assert f"xscale: blame: {nodes[1]}: srun: node failure during the step" in text
-    assert "live recovery" not in text
-    assert re.search(rf"xscale: restart 1 of \d+: relaunching on \S+ without {nodes[1]}", text)
-    relaunched = text.rpartition("xscale: restart 1 of")[2]
-    second = summary_of(relaunched)
-    assert second["start_step"] >= RETRY_EVERY and second["steps"] == RETRY_STEPS, second
-    assert {record["node"] for record in rank_records(relaunched)} == {nodes[0], nodes[2]}
-
-
 def test_a_crashed_node_is_replaced_live_and_a_second_crash_falls_back_to_the_requeue(
         cluster, mnist_data, tmp_path):
     """XSCALE_SPARES=1: 3 x 2 ranks on four nodes, the fourth waiting. The first crash, between

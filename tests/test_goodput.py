@@ -165,6 +165,25 @@ def test_a_live_recovery_is_its_own_share_and_redoes_no_step():
     assert "live recovery 4.5%" in goodput.line(book), goodput.line(book)
 
 
+def test_a_sharded_recovery_counts_its_snapshots_and_the_steps_it_rolled_back():
+    """Peer snapshots at steps 20 and 40 held training up 0.5 s each; a node lost at t=100 after
+    step 45 was recovered from the snapshot of step 40 (t=95): rank 0 noted 5 steps redone, 4 s
+    of them. Both come out of the training."""
+    notes = [*PROGRESS["s2"][:1], {"event": "snapshot", "step": 20, "time": 95.0, "stall_s": 0.5},
+             {"event": "snapshot", "step": 40, "time": 97.0, "stall_s": 0.5},
+             {"event": "rolled_back", "step": 40, "time": 103.0, "redone": 5, "redone_s": 4.0},
+             PROGRESS["s2"][1]]
+    live = dict(RESUMED, log="live", recoveries=[{"noticed": 100.0, "joined_s": 2.5,
+                                                  "lost": ["nid002"]}])
+    book = goodput.ledger([{"started": 70.0, "ended": 125.0, "launches": [live]}],
+                          lambda launch: notes)
+    assert (book["snapshots_s"], book["lost_work_s"], book["lost_steps"]) == (1.0, 4.0, 5)
+    assert book["recovery_s"] == 2.5 and book["training_s"] == (120 - 90) - 2.5 - 1 - 4
+    assert ("snapshots 1.8%, lost work 7.3%, restarts 0.0%, live recovery 4.5%"
+            in goodput.line(book)), goodput.line(book)
+    assert goodput.line(book).endswith("; 5 steps redone")
+
+
 def test_a_live_recovery_in_work_a_later_failure_threw_away_is_lost_work():
     """The launch that failed after t=40 (its last checkpoint at t=30) had recovered live at
     t=33: those seconds were thrown away with the rest, and count once, as lost work."""

@@ -11,6 +11,7 @@ apart, in the middle of a step of two micro-batches, in a checkpoint, in an eval
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -422,11 +423,12 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
 
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_a_peer_snapshot_comes_back_whole_or_not_at_all(corrupt: bool):
-    """Rank 1's snapshot is held by rank 0 (its buddy, on the other node). Restored, the
-    survivor (rank 0) has its own state of the snapshot's step back and the replacement (rank
-    1) the copy its buddy held, shard sizes and dtypes as they were, and both go on from the
-    source's place. One byte flipped in the held copy: its CRC-32 does not match, and neither
-    rank loads anything: both refuse with the same line."""
+    """Rank 1's snapshot is held by rank 0 (its buddy, on the other node). With the interval
+    auto, the first is taken 10 steps after the first step, and rank 0's decision is every
+    rank's. Restored, the survivor (rank 0) has its own state of the snapshot's step back and the
+    replacement (rank 1) the copy its buddy held, shard sizes and dtypes as they were, and both
+    go on from the source's place. One byte flipped in the held copy: its CRC-32 does not match,
+    and neither rank loads anything: both refuse with the same line."""
     address = f"tcp://127.0.0.1:{free_port()}"
     program = REPO / "tests" / "programs" / "snapshot_pair.py"
     ranks = [subprocess.Popen([sys.executable, str(program), address],
@@ -436,11 +438,34 @@ def test_a_peer_snapshot_comes_back_whole_or_not_at_all(corrupt: bool):
     outcomes = [(proc.wait(timeout=60), *proc.communicate(timeout=10)) for proc in ranks]
     records = results_of(outcomes)
     if corrupt:
-        assert records == [{"refused": "the snapshot of rank 1 at step 10 fails its checksum: "
+        assert records == [{"refused": "the snapshot of rank 1 at step 11 fails its checksum: "
                                        "it is not loaded, and the launch falls back to its "
                                        "newest checkpoint"}] * 2, records
         return
     assert [r["state"] for r in records] == [
         [[0.0, 1.0, 2.0, 3.0, 4.0], 7, [0.5, 0.5, 0.5]],
         [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 8, [0.5, 0.5, 0.5]]], records
-    assert [r["place"] for r in records] == [[10, 0], [10, 0]], records
+    assert [r["place"] for r in records] == [[11, 0], [11, 0]], records
+    assert [r["taken"] for r in records] == [[11], [11]], records
+    decided = re.search(r"XSCALE_SNAPSHOT_EVERY auto: every (\d+) steps", outcomes[0][1])
+    assert decided and [r["every"] for r in records] == [int(decided[1])] * 2, outcomes[0][1]
+
+
+def test_snapshots_that_would_take_over_half_a_nodes_free_memory_are_turned_off(tmp_path: Path):
+    """Two nodes of two ranks, each rank's snapshot 1 GiB: a node's ranks need 8 GiB (two slots,
+    each an own copy and a partner's). 16 GiB free on both nodes: they fit. One node with 15 GiB
+    free (its lowest rank's figure counts): off, with that node named. Linux's MemAvailable is
+    read in bytes; a meminfo without it is unknown, and unknown memory turns nothing off."""
+    from xscale.recovery import snapshots
+
+    gib = 2**30
+    assert snapshots.memory_shortfall([gib] * 4, [16 * gib] * 4, per_node=2) is None
+    why = snapshots.memory_shortfall([gib] * 4, [16 * gib, 16 * gib, 15 * gib, 16 * gib], 2)
+    assert why == ("they need 8.00 GiB of host memory on the node of rank 2, which has 15.00 "
+                   "GiB free (they may take 50% of it)")
+    assert snapshots.memory_shortfall([gib] * 4, [None] * 4, per_node=2) is None
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n")
+    assert snapshots.host_memory_free(str(meminfo)) == 20000000 * 1024
+    meminfo.write_text("MemTotal:       32000000 kB\n")
+    assert snapshots.host_memory_free(str(meminfo)) is None

@@ -309,3 +309,26 @@ def test_a_rank_restart_limit_that_is_no_whole_number_stops_before_any_launch(tm
     assert proc.returncode == 2 and proc.stdout == "", proc
     assert proc.stderr.startswith(f"xscale: error: XSCALE_MAX_RANK_RESTARTS='{value}' ")
     assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("live_recovery", [True, False])
+def test_live_recovery_runs_with_spares_unless_xscale_live_recovery_is_0(live_recovery: bool):
+    """A launch on two nodes with a spare gets a coordinator (its ranks reach it through
+    XSCALE_RECOVERY) unless XSCALE_LIVE_RECOVERY=0: then a lost node restarts the launch on the
+    spare from its checkpoint (tests/test_trainers_cv.py's corrupted snapshot shows that path)."""
+    import types
+
+    supervisor_module = host_module("supervisor")
+    settings = types.SimpleNamespace(spares=1, max_rank_restarts=2, live_recovery=live_recovery,
+                                     heartbeat_s=30.0, patterns=[])
+    allocation = types.SimpleNamespace(per_node=2, launch_nodes=["nid001", "nid002"])
+    line = types.SimpleNamespace(built=True)
+    live = supervisor_module.live_launch(settings, allocation, line, "launch.log")
+    if not live_recovery:
+        assert live is None
+        return
+    try:
+        assert list(live.environment()) == ["XSCALE_RECOVERY"], live.environment()
+        assert live.coordinator.world_size == 4
+    finally:
+        live.coordinator.server.server_close()  # never started: stop() would wait for it

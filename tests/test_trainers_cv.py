@@ -31,7 +31,7 @@ from tests.helpers import (
     wait_for,
     whole_summary_lines,
 )
-from tests.test_failures import job_fields, job_nodes, past_step, trainer_pids
+from tests.test_failures import goodput_of, job_fields, job_nodes, past_step, trainer_pids
 from tests.test_jobs import check_startup_phases, check_summary, lumi, submit, virtual_env
 from tests.test_own_scripts import JOB as OWN_SCRIPT_JOB
 from tests.test_own_scripts import (
@@ -612,7 +612,8 @@ def test_imagenet_with_fsdp_outlives_a_crashed_node_from_peer_snapshots(cluster,
     every 4 steps each rank's shard goes to host memory and to its buddy on the next node
     (XSCALE_SNAPSHOT_EVERY). nid002 crashed mid-run: the spare's rank takes the lost shard from
     its buddy, the survivors keep their processes and roll back to the snapshot's step (at most
-    4 steps redone), nobody reads a checkpoint, and the job completes in its allocation."""
+    4 steps redone), nobody reads a checkpoint, and the job completes in its allocation. The
+    goodput ledger counts the snapshots' stalls and the steps redone."""
     folder, _ = images
     out, output = tmp_path / "out", tmp_path / "job.out"
     steps = 24
@@ -647,4 +648,62 @@ def test_imagenet_with_fsdp_outlives_a_crashed_node_from_peer_snapshots(cluster,
     assert all(after[rank] == before[rank] for rank in (0, 2)), (before, after)
     summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
     assert summary["steps"] == steps and summary["world_size"] == 3, summary
-    print(f"{crashed} crashed: {went_on[0]}, {recovered_s:.1f} s after the crash")
+    ledger = goodput_of(text)
+    assert ledger["snapshots_s"] > 0 and ledger["lost_steps"] <= 4, ledger
+    assert "snapshots" in ledger["text"], ledger
+    print(f"{crashed} crashed: {went_on[0]}, {recovered_s:.1f} s after the crash; "
+          f"goodput: {ledger['text']}")
+
+
+def test_a_corrupted_peer_snapshot_is_refused_and_the_launch_resumes_from_its_checkpoint(
+        cluster, images, tmp_path):
+    """--fsdp on two nodes, one rank each, and a spare; a snapshot and a checkpoint every 4
+    steps. Once both are there, a byte is flipped in every snapshot rank 0 holds in memory
+    (fault.sh corrupt-snapshots: its own and its partner's, rank 1's), then rank 1's node crashes
+    (not the first node: the batch script runs there). The replacement joins, but the copies
+    fail their CRC-32: every rank says so in one line, nothing is loaded, the lost node is
+    blamed, and the launch starts again on the spare, in the same allocation, from the newest
+    checkpoint, to the end (as a trainer that cannot recover live is restarted)."""
+    folder, _ = images
+    out, output = tmp_path / "out", tmp_path / "job.out"
+    steps = 10
+    job_id = cluster.submit(OWN_SCRIPT_JOB, IMAGENET, "--fsdp", *VISION_TINY, "-b", "8",
+                            "--output-dir", str(out), "--max-steps", str(steps),
+                            "--checkpoint-every", "4", str(folder), output=output,
+                            sbatch_options=("--nodes=3", "--ntasks-per-node=1", "--no-kill"),
+                            env={"OUTPUT_DIR": str(out), "XSCALE_SPARES": "1",
+                                 "XSCALE_SNAPSHOT_EVERY": "4", "OMP_NUM_THREADS": "1"})
+    progress = out / "xscale-records" / "attempt0-launch1.progress"
+    crashed = None
+    try:
+        nodes = job_nodes(job_id)  # nodes[2] is the spare
+        wait_for(lambda: noted(progress, "snapshot") and (out / "ckpt-000004.dcp").exists(), 300,
+                 "a snapshot and a checkpoint")
+        corrupted = cluster.fault("corrupt-snapshots", nodes[0])
+        crashed = nodes[1]
+        cluster.fault("crash", crashed)
+        state = cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+        if crashed is not None:
+            cluster.fault("heal", crashed)
+    text = output.read_text()
+    assert re.search(r"corrupted the snapshots of steps \[\d+, \d+\]", corrupted), corrupted
+    assert state == "COMPLETED", text[-4000:]
+    refused = re.search(r"live recovery is not possible \(the snapshot of rank \d at step (\d+) "
+                        r"fails its checksum: it is not loaded", text)
+    assert refused, text[-4000:]
+    assert f"xscale: blame: {crashed}: lost during the launch; its live recovery fell back" in text
+    assert re.search(rf"xscale: restart 1 of \d+: relaunching on \S+ without {crashed}", text)
+    relaunched = text.rpartition("xscale: restart 1 of")[2]
+    second = tagged_records(relaunched, "XSCALE_SUMMARY")[-1]
+    assert second["start_step"] >= 4 and second["start_step"] % 4 == 0, second
+    assert second["steps"] == steps, second
+    print(f"refused the snapshot of step {refused[1]}; resumed from step "
+          f"{second['start_step']}: {corrupted.strip()}")
+
+
+def noted(progress: Path, event: str) -> bool:
+    """Whether rank 0 noted EVENT in PROGRESS (xscale.observe.progress)."""
+    lines = progress.read_text().splitlines() if progress.exists() else []
+    return any(f'"event": "{event}"' in line for line in lines)

@@ -113,6 +113,8 @@ class Coordinator:
         self.join = None  # the Join of the generation being formed
         self.recovering = self.fallen_back = False
         self.recoveries = []  # what each recovery took, for the records
+        self.losing = []  # the nodes the recovery under way replaces
+        self.unrecovered = []  # those nodes, when that recovery fell back: the launch lost them
         self.changed = threading.Condition()
         self.server = Server(("", 0), Handler)
         self.server.coordinator = self
@@ -249,6 +251,7 @@ class Coordinator:
             return
         on_their_own = self._on_their_own(survivors, lost)
         lost_nodes = sorted({peer.node for peer in lost if peer not in on_their_own})
+        self.losing = lost_nodes
         restarted = sorted(peer.rank for peer in on_their_own)
         refusal = self._restart_refusal(on_their_own, survivors[0].left_step)
         if refusal:
@@ -396,6 +399,8 @@ class Coordinator:
             if self.fallen_back:
                 return
             self.fallen_back = True
+            if self.recovering:
+                self.unrecovered = list(self.losing)
         say("live recovery: not possible: %s; the launch ends, and the usual restart or "
             "requeue follows" % why)
         self._send_all(contract.Fallback(why=why))

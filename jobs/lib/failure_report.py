@@ -282,7 +282,7 @@ def hang_lines(hang, log, placement):
 
 
 def report(log_path, nodes_text, tasks_per_node, node_states, patterns, hang=None,
-           hung_before=None, placement=None):
+           hung_before=None, placement=None, lost_live=()):
     """(the report's lines, the nodes it blames) for the step whose srun --label output is in
     LOG_PATH, on the job's nodes NODES_TEXT (a hostlist) laid out as TASKS_PER_NODE
     (SLURM_TASKS_PER_NODE), NODE_STATES as `sinfo -N -h -o '%N %T'` printed them after it. HANG:
@@ -290,7 +290,8 @@ def report(log_path, nodes_text, tasks_per_node, node_states, patterns, hang=Non
     job's attempt before this one. PLACEMENT (rank -> node) when it is not Slurm's block
     placement over the nodes in order: a spare that took a node's place live holds its ranks.
     A node whose failure srun reported but that is no longer among NODES (replaced live) is
-    left out."""
+    left out, unless it is in LOST_LIVE: a live recovery took it out of the launch and fell
+    back, so its loss ended the launch."""
     nodes = list(hostlist.expand(nodes_text))
     if placement is None:
         placement = hostlist.block_placement(nodes, tasks_per_node)
@@ -298,7 +299,9 @@ def report(log_path, nodes_text, tasks_per_node, node_states, patterns, hang=Non
         log = StepLog(handle)
     failed_nodes = [node for text in log.node_failures for node in job_nodes_named(text, nodes)]
     node_failures = [Blame(node, "srun: node failure during the step") for node in failed_nodes]
-    blames = first_blame_per_node(node_failures + state_blames(node_states, nodes)
+    lost = [Blame(node, "lost during the launch; its live recovery fell back")
+            for node in lost_live]
+    blames = first_blame_per_node(node_failures + lost + state_blames(node_states, nodes)
                                   + pattern_blames(log, patterns, nodes, placement)
                                   + repeated_hang_blames(hang, placement, hung_before or []))
     lines = list(report_lines(log, blames, placement, failed_nodes, hang))

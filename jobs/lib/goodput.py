@@ -12,14 +12,16 @@ training was held up, the end). From them, in seconds:
                  launch that failed, to its last checkpoint), less the checkpoint stalls
     startup      each launch to its first step done
     checkpoints  training held up by saves
+    snapshots    training held up by peer snapshots (a sharded model's live recovery)
     lost_work    steps done after the last checkpoint of a launch that failed: the resumed one does
-                 them again (lost_steps counts them)
+                 them again (lost_steps counts them); and the steps after the snapshot a live
+                 recovery rolled back to
     restarts     a failed launch's last sign of progress to its end (the failure being noticed:
                  a collective timeout, Slurm's SlurmdTimeout), and from there to the next
                  launch in the same allocation
     recovery     live recoveries (jobs/lib/coordinator.py): from a failure noticed to the group
                  re-formed with the replacement, in training that was kept (one in work that a
-                 later failure threw away is lost work); no step is lost
+                 later failure threw away is lost work); a replicated model's redoes no step
     other        the rest: staging, evaluation, the script's own set-up and clean-up
     queued       not allocated: the wait in the queue after each requeue
 
@@ -39,23 +41,37 @@ import os
 
 from shared import contract
 
-CATEGORIES = ("training", "startup", "checkpoints", "lost_work", "restarts", "recovery",
-              "other")
-LABELS = {"startup": "start-up", "checkpoints": "checkpoints", "lost_work": "lost work",
-          "restarts": "restarts", "recovery": "live recovery", "other": "other"}
-SHOWN_WHEN_SPENT = ("recovery",)  # in the line only when some time went to it
+CATEGORIES = ("training", "startup", "checkpoints", "snapshots", "lost_work", "restarts",
+              "recovery", "other")
+LABELS = {"startup": "start-up", "checkpoints": "checkpoints", "snapshots": "snapshots",
+          "lost_work": "lost work", "restarts": "restarts", "recovery": "live recovery",
+          "other": "other"}
+SHOWN_WHEN_SPENT = ("snapshots", "recovery")  # in the line only when some time went to them
 
 
 def account_launch(launch, events, next_launch):
     """Seconds per category for one launch, and the steps its failure threw away. The live
-    recoveries' seconds within its kept training come out of that training; one in work a
-    later failure threw away is lost work already."""
+    recoveries' seconds within its kept training come out of that training, and so do its
+    peer snapshots' stalls and the steps a recovery rolled back; within work a later failure
+    threw away they are lost work already."""
     spent, lost, trained = _account_launch(launch, events, next_launch)
-    if trained is not None:
-        recovery = sum(_overlap(entry, trained) for entry in launch.get("recoveries") or [])
-        spent["recovery"] = min(recovery, spent["training"])
-        spent["training"] -= spent["recovery"]
-    return spent, lost
+    if trained is None:
+        return spent, lost
+    kept = [event for event in events if trained[0] <= event["time"] <= trained[1]]
+    recovery = sum(_overlap(entry, trained) for entry in launch.get("recoveries") or [])
+    _move(spent, "recovery", recovery)
+    _move(spent, "snapshots", sum(event.get("stall_s", 0.0) for event in kept
+                                  if event.get("event") == contract.SNAPSHOT))
+    rolled_back = [event for event in kept if event.get("event") == contract.ROLLED_BACK]
+    _move(spent, "lost_work", sum(event.get("redone_s", 0.0) for event in rolled_back))
+    return spent, lost + sum(event.get("redone", 0) for event in rolled_back)
+
+
+def _move(spent, category, seconds):
+    """SECONDS of the training to CATEGORY (no more than the training had)."""
+    seconds = min(seconds, spent["training"])
+    spent[category] += seconds
+    spent["training"] -= seconds
 
 
 def _overlap(recovery, span):

@@ -224,7 +224,8 @@ def command_launch(settings, stop_file, line):
         if training_finished(launch.log):
             report_failure_after_training(settings, job_records, launch, allocation)
             break  # the training is done: nothing to restart, nothing to requeue
-        blamed = report_failure(settings, job_records, launch, allocation)
+        lost_live = live.coordinator.unrecovered if live is not None else ()
+        blamed = report_failure(settings, job_records, launch, allocation, lost_live)
         if not blamed:
             break  # a bug in the trainer must not loop
         if not restart(settings, attempt, allocation, blamed):
@@ -318,8 +319,9 @@ def progress_of(log):
     return contract.read_progress(contract.launch_file(log, contract.PROGRESS))
 
 
-def report_failure(settings, job_records, launch, allocation):
-    """Print the report of a failed launch; the nodes it blames."""
+def report_failure(settings, job_records, launch, allocation, lost_live=()):
+    """Print the report of a failed launch; the nodes it blames (LOST_LIVE among them: those a
+    live recovery that fell back had taken out of the launch)."""
     launch.failed([])
     say("the launch failed with exit status %d; what srun saw:" % launch.status)
     env = settings.env
@@ -333,7 +335,8 @@ def report_failure(settings, job_records, launch, allocation):
     try:
         lines, blamed = failure_report.report(launch.log, nodes, per_node, states,
                                               settings.patterns, hang,
-                                              job_records.last_hang_nodes(), placement)
+                                              job_records.last_hang_nodes(), placement,
+                                              lost_live)
     except (OSError, hostlist.HostlistError) as error:
         say("error: no report: %s" % " ".join(str(error).split()))
         return []

@@ -239,6 +239,7 @@ class RunTally:
         self.progress = progress.Progress(ctx.is_main)
         self.stall_s, self.saves, self.last_stall_s = 0.0, 0, 0.0
         self._first: tuple[int, float] | None = None  # (step, when): steps after it are timed
+        self._snapshot_times: dict[int, float] = {}  # a snapshot's step: when it was taken
 
     def first_step(self, step: int) -> None:
         first_step_done(self.ctx.device)
@@ -259,6 +260,23 @@ class RunTally:
         self.stall_s += stall_s
         self.clock.waited_for_checkpoint(stall_s)
         self.progress.note(contract.CHECKPOINT, step, stall_s=stall_s)
+
+    def snapshot(self, step: int, stall_s: float) -> None:
+        """A peer snapshot of STEP held training up `stall_s` (the step-time clock books it
+        with the checkpoints: both copy the state)."""
+        self.clock.waited_for_checkpoint(stall_s)
+        self._snapshot_times[step] = time.time()
+        for older in sorted(self._snapshot_times)[:-2]:  # two are kept (snapshots.Slot)
+            del self._snapshot_times[older]
+        self.progress.note(contract.SNAPSHOT, step, stall_s=stall_s)
+
+    def rolled_back(self, step: int, redone: int, left_at: float) -> None:
+        """A live recovery went on from the snapshot of STEP, REDONE steps before where this
+        rank left the broken group at `left_at` (time.time()): their seconds are lost work,
+        where this rank took that snapshot itself (not in a replacement)."""
+        taken = self._snapshot_times.get(step)
+        fields = {} if taken is None else {"redone_s": max(left_at - taken, 0.0)}
+        self.progress.note(contract.ROLLED_BACK, step, redone=redone, **fields)
 
     def end(self, step: int, stopped: bool) -> None:
         """Training is over, at STEP; STOPPED: at a stop signal (the supervisor requeues the
@@ -542,7 +560,9 @@ class Loop:
         if self.live is not None:
             try:
                 if not self.live.broken:
-                    self.live.after_step(self._position())  # a sharded kind's peer snapshot
+                    held_s = self.live.after_step(self._position())  # a sharded kind's snapshot
+                    if held_s is not None:
+                        self.tally.snapshot(self.step, held_s)
             except GroupBroken:
                 pass
             if self.live.broken:
@@ -628,10 +648,13 @@ class Loop:
         """Leave the broken group and train on in the next, the lost node's ranks replaced,
         every rank from the source rank's position (module xscale.recovery)."""
         self.tally.flops.cancel()  # a step left half-done: count the next whole one
+        left_at, left_step = time.time(), self.step
         recovered = self.live.recover(self._position())
         if self.saver is not None:
             self.saver.regroup()  # where the replacement makes its saver
         self._take_position(recovered.position)
+        if self.step < left_step:  # a sharded kind rolled back to a snapshot
+            self.tally.rolled_back(self.step, left_step - self.step, left_at)
         self.stragglers.restart(gather_to_rank0(contract.node_name()))  # a node changed
         self.message(f"{self.prog}: live recovery: training goes on at step {self.step}, "
                      f"{recovered.seconds:.1f} s after this rank left the broken group (the "

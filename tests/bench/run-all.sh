@@ -29,6 +29,8 @@ printf '\n== %s\n' flight_recorder.py  # torch's flight recorder on and off, per
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/flight_recorder.py"
 printf '\n== %s\n' checkpoint.py  # what a save holds training up, sync vs async
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/checkpoint.py"
+printf '\n== %s\n' snapshots.py  # a peer snapshot's stall and memory, resnet50 under FSDP2
+"$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/snapshots.py"
 printf '\n== %s\n' steptime.py  # the step-time breakdown's cost per DDP step
 "$BENCH_DIR/../../.venv/bin/python" "$BENCH_DIR/steptime.py"
 printf '\n== %s\n' flop_count.py  # counting one step's FLOPs for the MFU, once per run

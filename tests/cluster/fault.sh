@@ -31,6 +31,10 @@ Usage: tests/cluster/fault.sh VERB NODE [ARGS]
   slow-reads NODE DIR RATE
                        on NODE only, reads of the files under DIR come at RATE bytes per second
                        (e.g. 256k, 2M), page cache or not: a slow file system client, until heal
+  corrupt-snapshots NODE
+                       flip a byte in every peer snapshot NODE's ranks hold in memory (their
+                       own and their partner's), NODE stopped meanwhile: a memory fault that
+                       the snapshots' CRC-32 must catch
   drain NODE REASON    drain NODE with REASON, as an administrator would
   heal [NODE...]       undo all of the above on the nodes (default: every node), resume them and
                        wait until they are idle
@@ -146,6 +150,18 @@ unfreeze() {
   rm -f "$marker"
 }
 
+# Every process of NODE stopped while tests/cluster/corrupt_snapshots.py rewrites their memory, so
+# that no snapshot is being written meanwhile; continued after.
+corrupt_snapshots() {
+  local -a pids
+  mapfile -t pids < <(ip netns pids "$1")
+  (( ${#pids[@]} )) || xsc_die "corrupt-snapshots: $1 runs no process"
+  kill -STOP "${pids[@]}" 2>/dev/null
+  python3 "${BASH_SOURCE[0]%/*}/corrupt_snapshots.py" "${pids[@]}" || true
+  kill -CONT "${pids[@]}" 2>/dev/null
+  return 0
+}
+
 # slow NODE PERCENT: tests/cluster/throttle.py, detached, its pid in the node's directory.
 slow() {
   local node=$1 percent=${2:-60} slurmd=""
@@ -229,6 +245,7 @@ main() {
     kill-slurmd) need_node "${1:-}"; kill_slurmd "$1" ;;
     crash) need_node "${1:-}"; crash "$1" ;;
     freeze) need_node "${1:-}"; freeze "$1" ;;
+    corrupt-snapshots) need_node "${1:-}"; corrupt_snapshots "$1" ;;
     start-slurmd) need_node "${1:-}"; xsc_start_slurmd "$1" ;;
     slow) need_node "${1:-}"; slow "$1" "${2:-60}" ;;
     slow-reads) need_node "${1:-}"; slow_reads "$1" "${2:-}" "${3:-}" ;;

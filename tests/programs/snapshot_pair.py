@@ -1,8 +1,9 @@
-"""Two ranks on two nodes of their own, peer snapshots between them (xscale.recovery.snapshots):
-each takes a snapshot of its state at step 10, changes its state, and then rank 1 plays a
-replacement (it lost its state: zeros), rank 0 a survivor, and both restore. With CORRUPT=1 rank 0
-flips one byte of the copy it holds for rank 1 first. Each rank prints `RESULT {json}`: its
-state after the restore and the place it goes on from, or the line that refused the restore."""
+"""Two ranks on two nodes of their own, peer snapshots between them (xscale.recovery.snapshots),
+at their default interval, auto: steps 1 to 11 end, the first snapshot is taken at step 11 and
+the interval decided from it; each changes its state, and then rank 1 plays a replacement (it
+lost its state: zeros), rank 0 a survivor, and both restore. With CORRUPT=1 rank 0 flips one byte
+of the copy it holds for rank 1 first. Each rank prints `RESULT {json}`: its state after the
+restore, the place it goes on from and the interval, or the line that refused the restore."""
 
 import datetime
 import json
@@ -27,10 +28,12 @@ def main() -> None:
     # Shards of different sizes, and dtypes of different widths (FSDP2's, Adam's step).
     state = [torch.arange(5.0 + rank), torch.tensor(7 + rank, dtype=torch.int64),
              torch.full((3,), 0.5, dtype=torch.float16)]
-    peer = snapshots.PeerSnapshots(lambda: state, rank, 2, 1, every=10)
-    peer.take(10, types.SimpleNamespace(step=10, rank=rank))
+    peer = snapshots.PeerSnapshots(lambda: state, rank, 2, 1, every="auto")
+    taken = [step for step in range(1, 12)
+             if peer.after_step(types.SimpleNamespace(step=step, rank=rank)) is not None]
     for tensor in state:
         tensor.zero_() if rank == 1 else tensor.add_(1)  # the replacement's state is gone
+    peer.finish()  # the exchange, in the background
     if rank == 0 and os.environ.get("CORRUPT") == "1":
         peer.slots[0].held[snapshots.HEADER.size + 2] ^= 0xFF
     try:
@@ -38,8 +41,9 @@ def main() -> None:
     except snapshots.SnapshotUnusable as error:
         print("RESULT " + json.dumps({"refused": str(error)}), flush=True)
         return
-    print("RESULT " + json.dumps({"state": [t.tolist() for t in state],
-                                  "place": [place.step, place.rank]}), flush=True)
+    print("RESULT " + json.dumps({"state": [t.tolist() for t in state], "taken": taken,
+                                  "place": [place.step, place.rank],
+                                  "every": peer.schedule.every}), flush=True)
 
 
 if __name__ == "__main__":

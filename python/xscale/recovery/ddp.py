@@ -149,6 +149,10 @@ class DdpRecovery:
 
     def after_step(self, place: Place) -> None:
         """Nothing: a survivor's copy serves a replacement (the state is replicated)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Drop the gradients of a broken step, so that the step changes nothing; on the first

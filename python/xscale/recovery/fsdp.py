@@ -38,7 +38,7 @@ from xscale.recovery.protocol import Place, StateSize
 from xscale.recovery.snapshots import PeerSnapshots
 
 
-def why_not(model: nn.Module, optimizer: Any, nnodes: int, every: int) -> str | None:
+def why_not(model: nn.Module, optimizer: Any, nnodes: int, every: int | str) -> str | None:
     """Why this loop's FSDP2 model cannot be recovered live; None: it can."""
     if optimizer is None:
         return "the loop was given no optimizer (Loop(optimizer=...)) whose step it can drop"
@@ -54,7 +54,7 @@ class FsdpRecovery:
     docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, link: links.Link,
-                 ctx: xdist.DistContext, every: int) -> None:
+                 ctx: xdist.DistContext, every: int | str) -> None:
         self.model, self.optimizer, self.link, self.ctx = model, optimizer, link, ctx
         self.units = [model, *xdist.sharded_units(model)]  # the root's group too
         for unit in self.units:
@@ -75,10 +75,9 @@ class FsdpRecovery:
     def before_update(self) -> None:
         """Nothing: the reduce-scatter left each rank its own shard's gradients."""
 
-    def after_step(self, place: Place) -> None:
-        """The peer snapshot, every K steps."""
-        if self.snapshots.due(place.step):
-            self.snapshots.take(place.step, place)
+    def after_step(self, place: Place) -> float | None:
+        """The peer snapshot, every K steps: the seconds it held the step up."""
+        return self.snapshots.after_step(place)
 
     def state_size(self) -> StateSize:
         return StateSize("sharded", sum(tensor.numel() * tensor.element_size()
@@ -92,15 +91,7 @@ class FsdpRecovery:
                     parameter.grad = None
 
     def _state(self) -> list[torch.Tensor]:
-        """This rank's part of the state, in the same order on every rank: its shards of the
-        parameters, the buffers, its shards of the optimizer's state."""
-        parameters = list(self.model.parameters())
-        tensors = [_local(p) for p in parameters] + list(self.model.buffers())
-        for parameter in parameters:
-            state = self.optimizer.state.get(parameter, {})
-            tensors += [_local(state[key]) for key in sorted(state)
-                        if torch.is_tensor(state[key])]
-        return tensors
+        return shard_state(self.model, self.optimizer)
 
     # ---- the recovery ---------------------------------------------------------------------
 
@@ -139,6 +130,20 @@ class FsdpRecovery:
 
     def go_on(self) -> None:
         self._dropped = False
+
+    def close(self) -> None:
+        self.snapshots.finish()
+
+
+def shard_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's part of the state, in the same order on every rank: its shards of the
+    parameters, the buffers, its shards of the optimizer's state."""
+    parameters = list(model.parameters())
+    tensors = [_local(p) for p in parameters] + list(model.buffers())
+    for parameter in parameters:
+        state = optimizer.state.get(parameter, {})
+        tensors += [_local(state[key]) for key in sorted(state) if torch.is_tensor(state[key])]
+    return tensors
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,8 @@ class Live:
     def before_update(self) -> None:
         self.kind.before_update()
 
-    def after_step(self, place: Place) -> None:
-        self.kind.after_step(place)
+    def after_step(self, place: Place) -> float | None:
+        return self.kind.after_step(place)
 
     def recover(self, position: Place) -> Recovered:
         """Leave the broken group, form the next, and go on from the source rank's position,
@@ -77,6 +77,10 @@ class Live:
 
     def close(self) -> None:
         """The training is over: a failure from here on ends the launch as before."""
+        try:
+            self.kind.close()
+        except links.GroupBroken:
+            pass  # a snapshot's exchange cut short: no recovery will read it
         self.link.close()
 
 

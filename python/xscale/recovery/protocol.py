@@ -67,10 +67,11 @@ class Recoverable(Protocol):
         loop that reads the gradients there (Trainer clips them); raises GroupBroken when the
         group breaks meanwhile. A loop that does not call it gets them in the update's pre-hook."""
 
-    def after_step(self, place: Place) -> None:
+    def after_step(self, place: Place) -> float | None:
         """A step was counted, its update made on every rank: the kind's own work at the
-        step's end (a sharded kind's peer snapshot, every K steps); raises GroupBroken when the
-        group breaks meanwhile."""
+        step's end (a sharded kind's peer snapshot, every K steps); the seconds it held the
+        step up when it took a snapshot, else None. Raises GroupBroken when the group breaks
+        meanwhile."""
 
     @property
     def step_dropped(self) -> bool:
@@ -95,3 +96,7 @@ class Recoverable(Protocol):
 
     def go_on(self) -> None:
         """The group is whole again: clear what the broken one left (the dropped step)."""
+
+    def close(self) -> None:
+        """The training is over: end what the kind runs in the background (a snapshot's
+        exchange) before the process groups go."""

@@ -3,9 +3,9 @@ rank of another node, so that a lost node's parts come back without the disk (do
 "Peer snapshots").
 
 Every K steps each rank copies its state's tensors (its shard of the weights and of the
-optimizer's state, its buffers) into host memory, one flat byte buffer with a header (the step,
-the payload's CRC-32), and sends that copy to its *buddy*, the same local rank on the next node,
-whose copy of its own partner it receives in turn. Two slots alternate, so that a failure while
+optimizer's state, its buffers) into host memory, one flat byte buffer with a header (a magic,
+the step, the payload's size and CRC-32), and sends that copy to its *buddy*, the same local
+rank on the next node, whose copy of its own partner it receives in turn. Two slots alternate, so that a failure while
 one is being filled leaves the other whole. A live recovery then agrees on the newest step that
 every survivor holds and that every lost rank's buddy holds for it, hands each replacement its
 copy, checks every copy's CRC-32 and, if all match, has every rank load its copy in place: the
@@ -14,14 +14,18 @@ redone. A copy that fails its checksum is never loaded: the recovery is not poss
 line, and the launch falls back to its newest checkpoint.
 
 The copies travel on a gloo group of their own (host memory to host memory, whatever the
-training's backend), made again after every recovery. The copy to host memory and the exchange
-are made at the step's end, in the training's thread: the step waits for them, every K steps
-(XSCALE_SNAPSHOT_EVERY; a copy in the background, and K from the copy's cost, are not built).
+training's backend), made again after every recovery. The step waits only for the copy to host
+memory (a device's tensors straight into pinned memory, one wait for all); the checksum and the
+exchange run in a thread while training goes on, and the next snapshot waits for them. K is
+XSCALE_SNAPSHOT_EVERY, or with `auto` Young's interval from the first snapshot's stall. (On a
+GPU the copy is not yet on a side stream of its own: the step waits for it.)
 """
 
 from __future__ import annotations
 
 import struct
+import threading
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +34,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from xscale.checkpoints import cadence
 from xscale.recovery import link as links
 from xscale.recovery.protocol import Place
 
-HEADER = struct.Struct("<qQ")  # the step, the payload's CRC-32
+# A copy's header: MAGIC, the step, the payload's bytes and CRC-32. The magic and the size let a
+# reader of raw memory find copies and check them (tests/cluster/corrupt_snapshots.py).
+HEADER = struct.Struct("<8sqQQ")
+MAGIC = b"xscsnap1"
 
 
 class SnapshotUnusable(RuntimeError):
@@ -74,65 +82,148 @@ def _room(tensor: torch.Tensor) -> int:
     return -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
 
 
+AUTO_FIRST = 10  # with `auto`, the first snapshot comes this many steps after the launch's
+# first step: the steps between time a step, the snapshot times itself, and K follows
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When snapshots are due: every `every` steps counted from `anchor`, or, with `auto` not
+    yet decided (every None), at the first step from `first_step` + AUTO_FIRST. Every rank
+    holds the same; a replacement takes the source's."""
+
+    every: int | None
+    anchor: int = 0
+    first_step: int | None = None  # the launch's first step, with auto
+
+    def due(self, step: int) -> bool:
+        if self.every is None:
+            return self.first_step is not None and step >= self.first_step + AUTO_FIRST
+        return self.every > 0 and (step - self.anchor) % self.every == 0
+
+
 class PeerSnapshots:
     """This rank's snapshots of the tensors `state()` lists (always the same tensors, in the same
-    order, on every rank of the same place), every `every` steps."""
+    order, on every rank of the same place), every `every` steps, or `auto`."""
 
     def __init__(self, state: Callable[[], list[torch.Tensor]], rank: int, world_size: int,
-                 per_node: int, every: int) -> None:
-        self.state, self.rank, self.world_size = state, rank, world_size
-        self.per_node, self.every = per_node, every
+                 per_node: int, every: int | str) -> None:
+        self.state, self.rank, self.world_size, self.per_node = state, rank, world_size, per_node
+        self.schedule = Schedule(None if every == "auto" else int(every))
+        self._clock: tuple[int, float] | None = None  # this rank's first step seen, and when
         self.buddy = buddy(rank, world_size, per_node)
         self.partner = partner(rank, world_size, per_node)
         self.slots: list[Slot] = []
         self.sized = False  # the ranks' sizes gathered (again after a recovery, by every rank)
         self.group: dist.ProcessGroup | None = None  # made at the first snapshot
         self.taken = 0
+        self.off: str | None = None  # why snapshots are off (host memory), once checked
+        self.exchange: Exchange | None = None  # the newest snapshot's, while it runs
+
+    def _every_text(self) -> str:
+        if self.schedule.every is None:
+            return "(auto: the interval follows from this first one's cost)"
+        return f"every {self.schedule.every} steps"
 
     # ---- taking them ----------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
+    def after_step(self, place: Place) -> float | None:
+        """At a step's end: the snapshot when one is due (GroupBroken if the group breaks
+        meanwhile), and the seconds it held the step up; None when none was taken."""
+        started = time.perf_counter()
+        if self._clock is None:
+            self._clock = (place.step, started)
+            if self.schedule.every is None and self.schedule.first_step is None:
+                self.schedule = Schedule(None, first_step=place.step)
+        if not self.schedule.due(place.step) or not self.take(place.step, place):
+            return None
+        held_s = time.perf_counter() - started
+        if self.schedule.every is None:
+            self._decide(place.step, held_s, started)
+        return held_s
 
-    def take(self, step: int, place: Place) -> None:
-        """The snapshot of STEP (every rank at the same step): the own copy, then the exchange
-        with the buddy and the partner; GroupBroken if the group breaks meanwhile (the slot
-        filled is then incomplete, the other one whole)."""
+    def _decide(self, step: int, held_s: float, now: float) -> None:
+        """`auto`: K from rank 0's first snapshot and its steps' time (Young's interval, as
+        --checkpoint-every auto: the snapshot's stall against the work a failure throws away),
+        broadcast to every rank from there."""
+        decided: list[Any] = [None]
+        if self.rank == 0:
+            first_step, first_time = self._clock
+            step_s = (now - first_time) / max(step - first_step, 1)
+            nodes, mtbf_h = self.world_size // self.per_node, cadence.node_mtbf_hours()
+            every, seconds, job_mtbf_s = cadence.auto_interval(held_s, 0.0, step_s, nodes, mtbf_h)
+            print(f"xscale: XSCALE_SNAPSHOT_EVERY auto: every {every} steps ({seconds:.1f} s): "
+                  f"a snapshot stops training {held_s:.3f} s, a step takes {step_s:.3f} s, a "
+                  f"failure comes every {job_mtbf_s / 3600:,.0f} h on {nodes} node(s)",
+                  flush=True)
+            decided = [every]
+        self.finish()  # the group's collectives run one at a time
+        with links.abortable_collectives():
+            dist.broadcast_object_list(decided, 0, group=self.group)
+        self.schedule = Schedule(decided[0], anchor=step)
+
+    def take(self, step: int, place: Place) -> bool:
+        """The snapshot of STEP (every rank at the same step): the own copy, which the step
+        waits for; its checksum and the exchange with the buddy and the partner follow in the
+        background (Exchange), the one before being finished first. GroupBroken if the group
+        broke meanwhile (a slot being filled is then incomplete, the other one whole). False:
+        snapshots are off (too little host memory), none was taken."""
+        self.finish()
         tensors = self.state()
         if self.group is None:
             self.group = dist.new_group(backend="gloo")
-        if not self.sized:  # FSDP2's shards differ in size by a row: the partner's is its own
-            sizes: list[Any] = [None] * self.world_size
-            dist.all_gather_object(sizes, HEADER.size + payload_bytes(tensors), group=self.group)
-            if not self.slots:  # a survivor keeps its own: the partner's place is the same
-                self.slots = [Slot(_host_bytes(sizes[self.rank]),
-                                   _host_bytes(sizes[self.partner])) for _ in range(2)]
-                if self.rank == 0:
-                    print(f"xscale: peer snapshots every {self.every} steps: "
-                          f"{2 * (sizes[0] + sizes[self.partner]) / 2**20:.1f} MiB of host "
-                          "memory on rank 0 (its two snapshots, and two of its partner's)",
-                          flush=True)
-            self.sized = True
+        if not self.sized and not self._size_slots(tensors):
+            return False
         slot = self.slots[self.taken % 2]
         slot.step = slot.held_step = None
-        _write(slot.own, step, tensors)
+        _copy_in(slot.own, tensors)
         slot.place = place
-        slot.step = step
-        self._exchange(slot)
-        slot.held_step = HEADER.unpack_from(slot.held.numpy())[0]
+        self.exchange = Exchange(slot, step, self.buddy, self.partner, self.group)
         self.taken += 1
+        return True
 
-    def _exchange(self, slot: Slot) -> None:
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, slot.own, self.buddy, self.group),
-            dist.P2POp(dist.irecv, slot.held, self.partner, self.group)])
-        for work in works:
-            links.wait(work)
+    def finish(self) -> None:
+        """Wait for the exchange under way, if one is: GroupBroken if it failed."""
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.finish()
+
+    def _size_slots(self, tensors: list[torch.Tensor]) -> bool:
+        """Every rank's snapshot size, gathered (FSDP2's shards differ by a row: the partner's
+        is not its own), and this rank's slots made where it has none. At the launch's first
+        snapshot, the memory they take is checked against each node's free memory; too little
+        anywhere turns them off on every rank (False)."""
+        mine = (HEADER.size + payload_bytes(tensors), host_memory_free(), bool(self.slots))
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        sizes = [size for size, _, _ in gathered]
+        if not any(has_slots for _, _, has_slots in gathered):  # the launch's first snapshot
+            self.off = memory_shortfall(sizes, [free for _, free, _ in gathered], self.per_node)
+            if self.rank == 0:
+                print(f"xscale: peer snapshots off: {self.off}; training goes on, and a lost "
+                      "node's ranks come back from the newest checkpoint" if self.off else
+                      f"xscale: peer snapshots {self._every_text()}: "
+                      f"{2 * (sizes[0] + sizes[self.partner]) / 2**20:.1f} MiB of host "
+                      "memory on rank 0 (its two snapshots, and two of its partner's)",
+                      flush=True)
+        if self.off:
+            self.schedule = Schedule(0)
+            return False
+        if not self.slots:  # a survivor keeps its own: the partner's place is the same
+            self.slots = [Slot(_host_bytes(sizes[self.rank]), _host_bytes(sizes[self.partner]))
+                          for _ in range(2)]
+        self.sized = True
+        return True
 
     # ---- a recovery -----------------------------------------------------------------------
 
     def leave(self) -> None:
-        """The group broke: the snapshots' group goes with it (made again in `restore`)."""
+        """The group broke: the snapshots' group goes with it (made again in `restore`), once
+        an exchange under way has ended (its waits end as the group is known broken)."""
+        try:
+            self.finish()
+        except links.GroupBroken:
+            pass
         if self.group is not None:
             dist.distributed_c10d._abort_process_group(self.group)
             self.group = None
@@ -141,6 +232,7 @@ class PeerSnapshots:
         """Every rank loads its copy of the newest step every rank can (a collective in the new
         group): the survivors their own, each replacement the one its buddy holds for it. The
         place every rank goes on from: the source rank's at that step."""
+        self.leave()  # an exchange under way ends first (`leave` has ended it in a recovery)
         self.group = dist.new_group(backend="gloo")
         inventories: list[Any] = [None] * self.world_size
         dist.all_gather_object(inventories, (joining, self._whole_steps()))
@@ -154,10 +246,11 @@ class PeerSnapshots:
                 "fails its checksum: it is not loaded, and the launch falls back to its newest "
                 "checkpoint")
         _read(own, self.state())
-        carried = [self._slot(step).place if self.rank == source else None]
+        carried = [(self._slot(step).place, self.schedule) if self.rank == source else None]
         dist.broadcast_object_list(carried, source)
         self.sized = False  # the next snapshot gathers the sizes, the replacement's slots too
-        return carried[0]
+        place, self.schedule = carried[0]
+        return place
 
     def _whole_steps(self) -> dict[str, list[int]]:
         """The steps of this rank's whole own copies, and of its partner's it holds."""
@@ -167,6 +260,9 @@ class PeerSnapshots:
     def _agreed_step(self, inventories: list[Any]) -> int:
         """The newest step every survivor holds its own copy of, and every replacement's buddy
         (itself a survivor) holds the replacement's copy of."""
+        if self.off:
+            raise SnapshotUnusable(f"peer snapshots were off ({self.off}): the launch falls "
+                                   "back to its newest checkpoint")
         candidates: set[int] | None = None
         for rank, (joining, steps) in enumerate(inventories):
             if joining:
@@ -182,9 +278,9 @@ class PeerSnapshots:
             candidates = have if candidates is None else candidates & have
         if not candidates:
             raise SnapshotUnusable(
-                "no snapshot step that every rank holds (the first is taken at step "
-                f"{self.every}, and a failure during one leaves the one before): the launch "
-                "falls back to its newest checkpoint")
+                "no snapshot step that every rank holds (none was taken yet, or a failure "
+                "during the first left none whole): the launch falls back to its newest "
+                "checkpoint")
         return max(candidates)
 
     def _copy_to_load(self, step: int, joining: bool, inventories: list[Any]) -> torch.Tensor:
@@ -212,6 +308,71 @@ class PeerSnapshots:
         return HEADER.size + payload_bytes(self.state())
 
 
+SHARE_OF_FREE = 0.5  # what snapshots may take of a node's free memory: the rest is for the
+# host memory a run takes after its first steps (loader workers' batches, pinned buffers,
+# checkpoint copies); running out kills the node's ranks, worse than having no snapshot
+
+
+def host_memory_free(meminfo: str = "/proc/meminfo") -> int | None:
+    """The node's available memory (Linux's MemAvailable) in bytes; None where not known."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_shortfall(sizes: list[int], free: list[int | None], per_node: int) -> str | None:
+    """Why the snapshots do not fit (None: they do): the first node whose ranks' two slots (an
+    own copy and a partner's each) need more than SHARE_OF_FREE of its free memory. Ranks
+    are placed per_node to a node, in order; a node's free memory is its lowest figure."""
+    world_size = len(sizes)
+    for first in range(0, world_size, per_node):
+        ranks = range(first, min(first + per_node, world_size))
+        need = sum(2 * (sizes[r] + sizes[partner(r, world_size, per_node)]) for r in ranks)
+        known = [free[r] for r in ranks if free[r] is not None]
+        if known and need > SHARE_OF_FREE * min(known):
+            return (f"they need {need / 2**30:.2f} GiB of host memory on the node of rank "
+                    f"{ranks[0]}, which has {min(known) / 2**30:.2f} GiB free (they may take "
+                    f"{SHARE_OF_FREE:.0%} of it)")
+    return None
+
+
+class Exchange:
+    """A snapshot's background part, in a thread of its own: the own copy's checksum, then the
+    copy sent to the buddy while the partner's is received. The slot's steps are set as each
+    part is whole, so that a recovery counts only whole copies."""
+
+    def __init__(self, slot: Slot, step: int, buddy_rank: int, partner_rank: int,
+                 group: dist.ProcessGroup) -> None:
+        self.slot, self.step, self.group = slot, step, group
+        self.buddy, self.partner = buddy_rank, partner_rank
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="xscale-snapshot")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            _seal(self.slot.own, self.step)  # zlib releases the GIL: training goes on
+            self.slot.step = self.step
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, self.slot.own, self.buddy, self.group),
+                dist.P2POp(dist.irecv, self.slot.held, self.partner, self.group)])
+            for work in works:
+                links.wait(work)
+            self.slot.held_step = HEADER.unpack_from(self.slot.held.numpy())[1]
+        except Exception as error:  # GroupBroken, or gloo's error: the training's thread reads it
+            self.error = error
+
+    def finish(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise links.GroupBroken(str(self.error))
+
+
 def _host_bytes(size: int) -> torch.Tensor:
     pinned = torch.accelerator.is_available()  # a device-to-host copy from pinned memory
     return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
@@ -221,19 +382,28 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def _write(buffer: torch.Tensor, step: int, tensors: list[torch.Tensor]) -> None:
-    """STEP and TENSORS into BUFFER, with the payload's CRC-32 in the header."""
+def _copy_in(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """TENSORS into BUFFER's payload. A device's tensors are copied without a staging copy
+    (into pinned memory), all issued before the one wait for them."""
     offset = HEADER.size
+    on_device = False
     for tensor in tensors:
         size = tensor.numel() * tensor.element_size()
-        buffer[offset:offset + size].copy_(_byte_view(tensor).cpu())
+        buffer[offset:offset + size].copy_(_byte_view(tensor), non_blocking=True)
+        on_device = on_device or tensor.device.type != "cpu"
         offset += _room(tensor)
-    crc = zlib.crc32(buffer[HEADER.size:].numpy())
-    HEADER.pack_into(buffer.numpy(), 0, step, crc)
+    if on_device:
+        torch.accelerator.synchronize()
+
+
+def _seal(buffer: torch.Tensor, step: int) -> None:
+    """The header: STEP, the payload's size and CRC-32."""
+    payload = buffer[HEADER.size:].numpy()
+    HEADER.pack_into(buffer.numpy(), 0, MAGIC, step, payload.size, zlib.crc32(payload))
 
 
 def _checksum_matches(buffer: torch.Tensor) -> bool:
-    _, crc = HEADER.unpack_from(buffer.numpy())
+    _, _, _, crc = HEADER.unpack_from(buffer.numpy())
     return zlib.crc32(buffer[HEADER.size:].numpy()) == crc
 
 

@@ -68,6 +68,9 @@ HUNG = "hung"
 
 # Progress events.
 FIRST_STEP, INTERVAL, CHECKPOINT, END = "first_step", "interval", "checkpoint", "end"
+# A peer snapshot taken (stall_s), and a live recovery that rolled back to one (redone: the
+# steps done again; redone_s: their seconds, where rank 0 timed them).
+SNAPSHOT, ROLLED_BACK = "snapshot", "rolled_back"
 
 # Live recovery's messages: a rank's, then the coordinator's.
 class Hello(NamedTuple):

@@ -86,6 +86,16 @@ def whole(least=0, unit=""):
     return Kind(label, parse, f"must be a whole number{counted} at least {least}")
 
 
+def whole_or(word, least=0):
+    """A whole number of at least LEAST, or WORD (such as auto: the reader decides)."""
+    count = whole(least)
+
+    def parse(given):
+        return given if given == word else count.parse(given)
+
+    return Kind(f"{count.label} or {word}", parse, f"{count.complaint}, or {word}")
+
+
 def number(above=None, least=None, unit=""):
     """A finite number above ABOVE, or of at least LEAST (nan and inf are refused: a typo)."""
     of_unit = " of " + unit if unit else ""
@@ -179,12 +189,14 @@ SETTINGS = (
             "rank0: rank 0 writes ckpt-STEP.pt; all: every rank writes its part of "
             "ckpt-STEP.dcp, as it always does for a sharded model (FSDP2)", TRAINERS),
     Setting("XSCALE_NODE_MTBF_H", number(above=0, unit="hours"), NODE_MTBF_H,
-            "a node's mean time between failures, for --checkpoint-every auto", TRAINERS,
+            "a node's mean time between failures, for --checkpoint-every auto and "
+            "XSCALE_SNAPSHOT_EVERY=auto", TRAINERS,
             shown="6335 (Llama 3's 419 failures in 54 days on 2,048 nodes)"),
-    Setting("XSCALE_SNAPSHOT_EVERY", whole(0), 20,
+    Setting("XSCALE_SNAPSHOT_EVERY", whole_or("auto"), "auto",
             "with live recovery and a sharded model (FSDP2): a peer snapshot every this many "
-            "steps, the most a recovery redoes (docs/FAILURES.md); 0: none, and a lost node "
-            "restarts the launch from its checkpoint", TRAINERS),
+            "steps, the most a recovery redoes (docs/FAILURES.md); auto: Young's interval from "
+            "the cost of the first snapshot, 10 steps in, and XSCALE_NODE_MTBF_H; 0: none, and a "
+            "lost node restarts the launch from its checkpoint", TRAINERS),
     Setting("XSCALE_STRAGGLER_FACTOR", number(above=1), 2.0,
             "a rank whose own work per step is this many times the median rank's is named",
             TRAINERS),
