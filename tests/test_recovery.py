@@ -368,40 +368,57 @@ def test_a_frameworks_blocking_collective_ends_as_soon_as_the_group_is_broken(mo
     assert dist.all_gather is original and dist.distributed_c10d.all_gather is original
 
 
-def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path: Path):
-    """FSDP2 (live_ranks.py with MODEL=fsdp), three ranks on three nodes, a peer snapshot every
-    10 steps: rank 2 is killed as step 31 ends. Its shard is held by no other rank but its
-    buddy's snapshot (rank 0's, the same local rank on the next node): the replacement takes it
-    from there, the survivors keep their processes and roll back in place to step 30, and the
-    run ends with the model and optimizer state an uninterrupted run ends with, whole on every
-    rank. No checkpoint is read (there is none)."""
+# The sharded kinds, as live_ranks.py builds them (the preload: what their forks import once).
+SHARDED = {
+    "fsdp": ({"MODEL": "fsdp"}, ()),
+    "zero-1": ({"MODEL": "deepspeed", "ZERO_STAGE": "1"}, ("deepspeed",)),
+    "zero-2": ({"MODEL": "deepspeed", "ZERO_STAGE": "2"}, ("deepspeed",)),
+}
+
+
+@pytest.mark.parametrize("kind", list(SHARDED))
+def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path: Path,
+                                                                        kind: str):
+    """FSDP2, or a DeepSpeed engine with ZeRO stage 1 or 2, as the loop's model (live_ranks.py),
+    three ranks on three nodes, a peer snapshot every 10 steps: rank 2 is killed as step 31
+    ends. Its shard (FSDP2's of the weights and the optimizer's state, ZeRO's fp32 partition
+    and its optimizer state) is held by no other rank but in its buddy's snapshot (rank 0's,
+    the same local rank on the next node): the replacement takes it from there, the survivors
+    keep their processes and roll back in place to step 30 (ZeRO's counters and LR warm-up with
+    them), and the run ends with the model and optimizer state an uninterrupted run ends with,
+    whole on every rank. No checkpoint is read (there is none)."""
+    from tests.conftest import torch_extensions  # DeepSpeed's CPU op, built once
+
+    model, preload = SHARDED[kind]
     host_side = host_module("coordinator")
     port, started, steps = free_port(), {}, 40
 
-    def env(rank: int, node: int, **extra: str) -> dict[str, str]:
-        values = rank_env(rank, 3, port, SLURMD_NODENAME=f"n{node}", MAX_STEPS=str(steps),
-                          MODEL="fsdp", XSCALE_SNAPSHOT_EVERY="10", **extra)
+    def env(rank: int, **extra: str) -> dict[str, str]:
+        values = rank_env(rank, 3, port, SLURMD_NODENAME=f"n{rank}", MAX_STEPS=str(steps),
+                          XSCALE_SNAPSHOT_EVERY="10", DS_ACCELERATOR="cpu",
+                          TORCH_EXTENSIONS_DIR=str(torch_extensions()), **model, **extra)
         values.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank), NNODES="3")
         return values
 
-    def start(rank: int, node: int, run: str = "live", **extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path / run)],
-                                env=env(rank, node, **extra), stdout=subprocess.PIPE,
+    def start(rank: int, **extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path / "live")],
+                                env=env(rank, **extra), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
     def replace(nodes: list[str], generation: int) -> list[str]:
-        started["replacement"] = start(2, 3, XSCALE_RECOVERY=coordinator.address,
+        started["replacement"] = start(2, XSCALE_RECOVERY=coordinator.address,
                                        XSCALE_RECOVERY_JOIN=str(generation))
         return ["n3"]
 
-    uninterrupted = [start(rank, rank, "uninterrupted") for rank in range(3)]
-    reference = results_of([(proc.wait(timeout=120), *proc.communicate(timeout=10))
-                            for proc in uninterrupted])
+    uninterrupted = ForkedRanks([([str(PROGRAM), str(tmp_path / "uninterrupted")], env(rank))
+                                 for rank in range(3)], REPO, (*PRELOAD, *preload), env(0))
+    reference = results_of([(run.returncode, run.stdout, run.stderr)
+                            for run in uninterrupted.results(timeout=120)])
     coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
     coordinator.start()
     try:
-        ranks = [start(rank, rank, XSCALE_RECOVERY=coordinator.address, DIE_AT="31",
-                       DIE_RANK="2", DIE_HOW="kill") for rank in range(3)]
+        ranks = [start(rank, XSCALE_RECOVERY=coordinator.address, DIE_AT="31", DIE_RANK="2",
+                       DIE_HOW="kill") for rank in range(3)]
         ranks[2].wait(timeout=120)
         runs = [proc.communicate(timeout=120) for proc in (ranks[0], ranks[1])]
         assert "replacement" in started, runs[0][1][-3000:]  # the coordinator fell back
@@ -415,6 +432,7 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
     records = results_of([(code, out, err) for code, (out, err) in zip(codes, runs, strict=True)])
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
         (0, 0, steps), (1, 0, steps), (2, 30, steps)], records
+    assert [r["pid"] for r in records[:2]] == [ranks[0].pid, ranks[1].pid], records
     assert "training goes on at step 30" in runs[0][0] + runs[0][1], runs[0]
     assert len({r["digest"] for r in records}) == 1, records
     assert records[0]["digest"] == pytest.approx(reference[0]["digest"], rel=1e-9), reference

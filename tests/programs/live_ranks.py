@@ -1,7 +1,9 @@
 """A rank of a small DDP training through xscale.Loop, or with FORM=prepared xscale.prepare's
 short form (a BatchNorm layer, Adam, one DataLoader worker), for live recovery's tests:
 MAX_STEPS steps of ACCUMULATION micro-batches each. With MODEL=fsdp the model is sharded by
-FSDP2 (fully_shard) instead, through xscale.Loop.
+FSDP2 (fully_shard) instead, through xscale.Loop; with MODEL=deepspeed it is a DeepSpeed engine
+with ZeRO stage ZERO_STAGE (default 1; torch's Adam, fp32, an LR warm-up; DS_CONFIG: JSON merged
+into its config), the loop's model (FORM and EVALUATE_AT do not apply to it).
 
 - With DIE_HOW=raise, the rank in DIE_RANK raises (a bug) as it begins the step after DIE_AT,
   in every process of that rank, those started again included.
@@ -18,8 +20,8 @@ FSDP2 (fully_shard) instead, through xscale.Loop.
 
 Each rank prints `RESULT {json}` at its end: its pid, the step it started at, the steps, a
 digest of its parameters and optimizer state (equal on every rank of a healthy DDP run; FSDP2's
-are gathered whole first), of the
-batch it trained each micro-batch on ("STEP.MICRO"), of the gradients each optimizer step
+are gathered whole first, and ZeRO's partitions of the optimizer state summed over the ranks),
+of the batch it trained each micro-batch on ("STEP.MICRO"), of the gradients each optimizer step
 applied, and its evaluation's accuracy.
 """
 
@@ -51,6 +53,8 @@ PREPARED = os.environ.get("FORM", "loop") == "prepared"
 CHECKPOINT_EVERY = int(os.environ.get("CHECKPOINT_EVERY", "0"))
 EVALUATE_AT = int(os.environ.get("EVALUATE_AT", "-1"))
 SHARDED = os.environ.get("MODEL", "ddp") == "fsdp"
+DEEPSPEED = os.environ.get("MODEL", "ddp") == "deepspeed"
+ZERO_STAGE = int(os.environ.get("ZERO_STAGE", "1"))
 
 
 def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
@@ -178,6 +182,63 @@ def sharded(layers: nn.Sequential, ctx: xscale.Context) -> nn.Module:
     return fully_shard(layers, mesh=mesh)
 
 
+def engine_digest(engine: Any) -> float:
+    """The whole model (every rank holds it in ZeRO 1 and 2) and the optimizer's state, whose
+    partitions are summed over the ranks (a collective): the same on every rank."""
+    import torch.distributed as dist
+
+    partitions = [value for state in engine.optimizer.optimizer.state.values()
+                  for value in state.values() if torch.is_tensor(value)]
+    summed = torch.tensor([float(sum(t.double().sum() for t in partitions))], dtype=torch.float64)
+    dist.all_reduce(summed)
+    return float(sum(p.double().sum() for p in engine.module.parameters()) + summed[0])
+
+
+def deepspeed_engine(layers: nn.Module) -> Any:
+    """A DeepSpeed engine of LAYERS: ZeRO stage ZERO_STAGE, torch's Adam, fp32, as
+    python/configs/ds_cpu_z1.json, and a warm-up of the LR over the run (a recovery that did not
+    bring the scheduler back would train on at another LR)."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": ACCUMULATION,
+              "steps_per_print": 10**9, "gradient_clipping": 0, "wall_clock_breakdown": False,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "scheduler": {"type": "WarmupLR", "params": {
+                  "warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": MAX_STEPS,
+                  "warmup_type": "linear"}},
+              "zero_optimization": {"stage": ZERO_STAGE},
+              **json.loads(os.environ.get("DS_CONFIG", "{}"))}  # by hand: bf16, overlap_comm...
+    engine, _, _, _ = deepspeed.initialize(model=layers, model_parameters=layers.parameters(),
+                                           config=config)
+    return engine
+
+
+def with_engine(ctx: xscale.Context, engine: Any, loader: Any) -> Watch:
+    """A DeepSpeed engine as the loop's model: its backward and step at every micro-batch (it
+    counts the accumulation itself)."""
+    loop = xscale.Loop(ctx, loader, model=engine, max_steps=MAX_STEPS, output_dir=sys.argv[1],
+                       log_every=5, name="live", accumulation=ACCUMULATION,
+                       checkpoint_every=CHECKPOINT_EVERY)
+    watch = Watch(loop, engine.module, engine.optimizer.optimizer)
+    dtype = next(engine.module.parameters()).dtype  # bf16 and fp16 cast the weights
+    for _, (features, target) in loop.batches():
+        watch.raise_now(ctx.rank)
+        watch.batch(loop._micro, features)
+        loss = nn.functional.mse_loss(engine(features.to(dtype)).float(), target)
+        engine.backward(loss)
+        engine.step()
+        if loop.boundary and ctx.rank == HOLD_RANK and loop.step + 1 == DIE_AT \
+                and not REPLACEMENT:
+            links.link().broken.wait(timeout=60)
+        if loop.boundary and watch.dies_now(ctx.rank, -1):
+            os.kill(os.getpid(), DIE_HOW)
+        loop.record(loss, len(features))
+        if watch.dies_now(ctx.rank, loop._micro):
+            os.kill(os.getpid(), DIE_HOW)
+    loop.finish()
+    return watch
+
+
 def main() -> None:
     ctx = xscale.start(backend="gloo")
     generator = torch.Generator().manual_seed(0)
@@ -185,13 +246,20 @@ def main() -> None:
     data = TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1))
-    model = sharded(layers, ctx) if SHARDED else DistributedDataParallel(layers)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loader = xscale.loader(data, ctx, batch_size=16, workers=1)
-    watch = (prepared if PREPARED else with_loop)(ctx, model, optimizer, loader)
+    if DEEPSPEED:
+        engine = deepspeed_engine(layers)
+        loader = xscale.loader(data, ctx, batch_size=16, workers=1)
+        watch = with_engine(ctx, engine, loader)
+        result = engine_digest(engine)
+    else:
+        model = sharded(layers, ctx) if SHARDED else DistributedDataParallel(layers)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        loader = xscale.loader(data, ctx, batch_size=16, workers=1)
+        watch = (prepared if PREPARED else with_loop)(ctx, model, optimizer, loader)
+        result = digest(model, optimizer)
     print("RESULT " + json.dumps({"rank": ctx.rank, "pid": os.getpid(),
                                   "started_at": watch.started_at, "steps": watch.loop.step,
-                                  "digest": digest(model, optimizer), "trained": watch.trained,
+                                  "digest": result, "trained": watch.trained,
                                   "gradients": watch.gradients,
                                   "evaluated": watch.evaluated}),
           flush=True)

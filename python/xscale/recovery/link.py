@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -301,9 +301,18 @@ def abortable_collectives() -> Iterator[None]:
     if _link is None:
         yield
         return
-    originals = {name: getattr(c10d, name) for name in BLOCKING_COLLECTIVES}
+    with swapped_collectives(BLOCKING_COLLECTIVES, _abortable):
+        yield
+
+
+@contextmanager
+def swapped_collectives(names: Iterable[str],
+                        wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Within it, each torch.distributed collective in NAMES is WRAP(the collective), as
+    torch.distributed and its c10d module name it (callers reach it through either)."""
+    originals = {name: getattr(c10d, name) for name in names}
     for name, original in originals.items():
-        setattr(c10d, name, _abortable(original))
+        setattr(c10d, name, wrap(original))
         setattr(dist, name, getattr(c10d, name))
     try:
         yield

@@ -3,10 +3,11 @@ does the kind's work before a batch, and recovers (docs/FAILURES.md, "Live recov
 
 Only under the supervisor with spares (it exports XSCALE_RECOVERY, and the rank's link reached
 the coordinator). `for_loop` picks the kind of training that serves the loop's model
-(xscale.recovery.protocol.Recoverable: DDP's, replicated; FSDP2's, sharded, from peer
-snapshots) or says why none does; the recovery's steps are the same for every kind: leave the
-broken group, tell the coordinator, form the next, hand the state over, go on from the source's
-position. A sharded kind's snapshots that cannot serve end live recovery with one line.
+(xscale.recovery.protocol.Recoverable: DDP's, replicated; FSDP2's and a DeepSpeed engine's with
+ZeRO stage 1 or 2, sharded, from peer snapshots) or says why none does; the recovery's steps
+are the same for every kind: leave the broken group, tell the coordinator, form the next, hand
+the state over, go on from the source's position. A sharded kind's snapshots that cannot serve
+end live recovery with one line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from xscale.dist import DistContext, is_sharded
-from xscale.recovery import ddp
+from xscale.recovery import ddp, zero
 from xscale.recovery import link as links
 from xscale.recovery.protocol import Place, Recoverable, Recovered
 from xscale.recovery.snapshots import SnapshotUnusable
@@ -91,7 +92,11 @@ def for_loop(ctx: DistContext, model: nn.Module,
     link = links.link()
     if link is None:
         return None, None
-    if is_sharded(model):  # the script imported FSDP: so may the kind (else it is spared)
+    if zero.is_engine(model):  # the script imported DeepSpeed; the loop is spared the import
+        every = settings.value("XSCALE_SNAPSHOT_EVERY")
+        why = zero.why_not(model, ctx.nnodes, every)
+        kind = None if why else zero.ZeroRecovery(model, link, ctx, every)
+    elif is_sharded(model):  # the script imported FSDP: so may the kind (else it is spared)
         from xscale.recovery import fsdp
 
         every = settings.value("XSCALE_SNAPSHOT_EVERY")

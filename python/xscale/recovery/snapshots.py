@@ -5,13 +5,13 @@ rank of another node, so that a lost node's parts come back without the disk (do
 Every K steps each rank copies its state's tensors (its shard of the weights and of the
 optimizer's state, its buffers) into host memory, one flat byte buffer with a header (a magic,
 the step, the payload's size and CRC-32), and sends that copy to its *buddy*, the same local
-rank on the next node, whose copy of its own partner it receives in turn. Two slots alternate, so that a failure while
-one is being filled leaves the other whole. A live recovery then agrees on the newest step that
-every survivor holds and that every lost rank's buddy holds for it, hands each replacement its
-copy, checks every copy's CRC-32 and, if all match, has every rank load its copy in place: the
-survivors roll back to that step and the replacements take their part; at most K steps are
-redone. A copy that fails its checksum is never loaded: the recovery is not possible, with one
-line, and the launch falls back to its newest checkpoint.
+rank on the next node, whose copy of its own partner it receives in turn. Two slots alternate,
+so that a failure while one is being filled leaves the other whole. A live recovery then agrees
+on the newest step that every survivor holds and that every lost rank's buddy holds for it,
+hands each replacement its copy, checks every copy's CRC-32 and, if all match, has every rank
+load its copy in place: the survivors roll back to that step and the replacements take their
+part; at most K steps are redone. A copy that fails its checksum is never loaded: the recovery
+is not possible, with one line, and the launch falls back to its newest checkpoint.
 
 The copies travel on a gloo group of their own (host memory to host memory, whatever the
 training's backend), made again after every recovery. The step waits only for the copy to host
