@@ -235,7 +235,11 @@ def free_port() -> int:
 
 
 def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """A rank's environment on this machine, the venv's tools first on PATH as in a job
+    (conftest.tool_env): DeepSpeed's JIT build runs the venv's ninja, not the system's older
+    one, whose other command hash made each rebuild the op the other had built (a minute)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                OMP_NUM_THREADS="1", XSCALE_TIMEOUT_S="60", **extra)

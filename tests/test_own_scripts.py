@@ -269,16 +269,16 @@ def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler
     assert len(skipped) == 1 and f"stopped at step {first['steps']} " in skipped[0], skipped
 
 
-@pytest.mark.parametrize("fault", ["freeze", "crash"])
-def test_a_plain_ddp_script_with_xscales_lines_outlives_a_lost_node(cluster, tmp_path: Path,
-                                                                   fault: str):
+def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, tmp_path: Path):
     """XSCALE_SPARES=1 on four nodes, one rank each: the script with docs/YOUR-SCRIPT.md's lines
-    (the short form) gets live recovery without a line more. A node that crashes (its processes
-    gone, its connections closed) or freezes whole (every process stopped: nothing fails, no
-    connection closes, so only its silence tells: XSCALE_HEARTBEAT_S, 6 s here, 30 by default)
-    is replaced by the spare, and the job completes in its one allocation; the healthy ranks
-    are the processes they were, nothing was taken for a failure before (the auto interval's
-    checkpoints included), and nobody for a straggler."""
+    (the short form) gets live recovery without a line more. A node that freezes whole (every
+    process stopped: nothing fails, no connection closes, so only its silence tells:
+    XSCALE_HEARTBEAT_S, 6 s here, 30 by default) is replaced by the spare, and the job completes
+    in its one allocation; the healthy ranks are the processes they were, nothing was taken for
+    a failure before (the auto interval's checkpoints included), and nobody for a straggler. (A
+    crashed node, its connections closed: tests/test_failures.py's mnist job, the Trainer's
+    below.)"""
+    fault = "freeze"
     out, output = tmp_path / "out", tmp_path / "job.out"
     job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "30", output=output,
                             sbatch_options=("--nodes=4", "--ntasks-per-node=1", "--no-kill"),
@@ -304,10 +304,7 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_lost_node(cluster, tmp
     assert state == "COMPLETED" and job_fields(job_id)["Restarts"] == "0", text[-4000:]
     leaves = [line for line in text.splitlines() if "every rank leaves" in line]
     assert len(leaves) == 1, leaves
-    if fault == "freeze":  # only its silence tells
-        assert f"on {frozen} sent nothing for 6 s" in leaves[0], leaves
-    else:  # whichever comes first: its rank's link closing, or a survivor's collective failing
-        assert frozen in leaves[0] or "collective failed" in leaves[0], leaves
+    assert f"on {frozen} sent nothing for 6 s" in leaves[0], leaves  # only its silence tells
     assert f"xscale: live recovery: {nodes[3]} in place of {frozen}" in text
     assert all(after[rank] == before[rank] for rank in (0, 2)), (before, after)
     # A healthy run of short steps names nobody, the replacement that just joined included.
@@ -328,7 +325,7 @@ def test_a_trainer_script_with_xscales_lines_outlives_a_lost_node(cluster, tiny,
     uninterrupted run of the same job ends with: no step redone or skipped, the data in the
     same order, the learning-rate schedule where it was."""
     model, data = tiny
-    steps = 60
+    steps = 40
 
     def submit(name: str) -> tuple[str, Path, Path]:
         out, output = tmp_path / name, tmp_path / f"{name}.out"
