@@ -29,6 +29,7 @@ included, is the summary's `checkpoint_stall_s`.
 from __future__ import annotations
 
 import argparse
+import copy
 import multiprocessing
 import os
 import sys
@@ -420,6 +421,7 @@ class Loop:
         # A replacement takes the survivors' position (and their model) instead of a
         # checkpoint, before it makes its saver: the survivors remake theirs after the hand-over
         # too (Saver.regroup), and the collectives meet.
+        self.scheduler, self.scaler = scheduler, scaler  # handed over with the position
         received = self.live.receive() if joining else None
         self.saver, resumed = _saver_and_resume(ctx, model, optimizer, scaler, scheduler, config,
                                                 config.resume and not joining)
@@ -434,6 +436,9 @@ class Loop:
         self._moved = False  # a live recovery moved this rank to the source's position
         if received is not None:
             self.start_step = self.step = received.step
+            self._take_schedules(received)
+        self._schedules: tuple[dict | None, dict | None] = (None, None)
+        self._keep_schedules()
         self.meter = Throughput(ctx.device, warmup_steps=warmup_steps)
         tensorboard_dir = config.tensorboard_dir or (self.output_dir and self.output_dir / "tb")
         self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=self.start_step,
@@ -473,6 +478,9 @@ class Loop:
         while True:
             if self._moved:  # a live recovery: every rank goes on from the source's position
                 self._moved = False
+                # Now, not in the recovery: the script's lines after it (xscale.prepare's
+                # recovers in the optimizer's step) may step the scheduler of the dropped step.
+                self._take_schedules(self._schedules_due)
                 batches.close()
                 batches = self._batches_from(self.step)
             waited = time.perf_counter()
@@ -550,6 +558,7 @@ class Loop:
         """A step is done: the clocks, the log, and at its interval a checkpoint and a vote."""
         self.step += 1
         self._handed_out = 0
+        self._keep_schedules()
         self.tally.flops.end()
         self.stragglers.step()
         self.tally.clock.step()
@@ -665,7 +674,8 @@ class Loop:
         return Position(
             step=self.step, log_from=self.log.start_step, saved_step=self.saved_step,
             saved_path=None if self.saved_path is None else str(self.saved_path),
-            checkpoint_every=self.checkpoint_every, auto_every=self.auto_every)
+            checkpoint_every=self.checkpoint_every, auto_every=self.auto_every,
+            scheduler=self._schedules[0], scaler=self._schedules[1])
 
     def _take_position(self, position: Position) -> None:
         """Go on from POSITION, the source rank's: its step (the model is the source's), so
@@ -677,10 +687,29 @@ class Loop:
         self.epoch = self.step // self.per_epoch
         self.saved_step, self.saved_path = position.saved_step, position.saved_path
         self.checkpoint_every, self.auto_every = position.checkpoint_every, position.auto_every
+        self._schedules_due = position  # taken before the next batch (batches())
         self.log.start_step = position.log_from
         self._micro = self._handed_out = 0
         self._voted_at = None  # a vote cut short counts as none, on every rank alike
         self._moved = True
+
+    def _keep_schedules(self) -> None:
+        """The LR scheduler's and the GradScaler's state at the step just counted, for the
+        position: the script steps them after a dropped update too, which must not count."""
+        if self.live is not None:
+            self._schedules = (_state_of(self.scheduler), _state_of(self.scaler))
+
+    def _take_schedules(self, position: Position) -> None:
+        """The LR scheduler's and the GradScaler's state at POSITION, the source's, and the
+        optimizer's LRs the scheduler set there (loading its state sets none)."""
+        if self.scaler is not None and position.scaler is not None:
+            self.scaler.load_state_dict(position.scaler)
+        if self.scheduler is not None and position.scheduler is not None:
+            self.scheduler.load_state_dict(position.scheduler)
+            for group, lr in zip(self.scheduler.optimizer.param_groups,
+                                 self.scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
+        self._keep_schedules()
 
     def _save(self) -> None:
         """The checkpoint of this step, once (a collective save: every rank waits as long as
@@ -728,6 +757,12 @@ class Loop:
                       batch_size=self.batch_size, accumulation=self.accumulation,
                       counts_tokens=False, stragglers=self.stragglers, tally=self.tally,
                       output_dir=self.output_dir, **own)
+
+
+def _state_of(schedule: Any) -> dict | None:
+    """An LR scheduler's or a GradScaler's state dict, copied (a snapshot keeps it as it was);
+    None without one."""
+    return None if schedule is None else copy.deepcopy(schedule.state_dict())
 
 
 def _resumable_sampler(loader: DataLoader) -> data.ResumableSampler:

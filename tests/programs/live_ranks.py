@@ -1,5 +1,6 @@
 """A rank of a small DDP training through xscale.Loop, or with FORM=prepared xscale.prepare's
-short form (a BatchNorm layer, Adam, one DataLoader worker), for live recovery's tests:
+short form (a BatchNorm layer, Adam, an LR raised at every step, one DataLoader worker), for
+live recovery's tests:
 MAX_STEPS steps of ACCUMULATION micro-batches each. With MODEL=fsdp the model is sharded by
 FSDP2 (fully_shard) instead, through xscale.Loop; with MODEL=deepspeed it is a DeepSpeed engine
 with ZeRO stage ZERO_STAGE (default 1; torch's Adam, fp32, an LR warm-up; DS_CONFIG: JSON merged
@@ -119,13 +120,21 @@ class Watch:
                 and self.loop.step == (DIE_AT - 1 if micro == -1 else DIE_AT))
 
 
+def warm_up(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The LR raised at every step over the run: a replacement or a rollback that did not take
+    the scheduler's state along would train on at another LR."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / MAX_STEPS)
+
+
 def with_loop(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Optimizer,
               loader: Any) -> Watch:
     """The explicit form: the loop hands out the micro-batches and counts them (loop._micro:
     the test reads the loop's own count)."""
+    scheduler = warm_up(optimizer)
     loop = xscale.Loop(ctx, loader, model=model, optimizer=optimizer, max_steps=MAX_STEPS,
                        output_dir=sys.argv[1], log_every=5, name="live",
-                       accumulation=ACCUMULATION, checkpoint_every=CHECKPOINT_EVERY)
+                       accumulation=ACCUMULATION, checkpoint_every=CHECKPOINT_EVERY,
+                       scheduler=scheduler)
     watch = Watch(loop, model, optimizer)
     for _, (features, target) in loop.batches():
         watch.raise_now(ctx.rank)
@@ -135,6 +144,7 @@ def with_loop(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Opti
             loss.backward()
         if loop.boundary:
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad()
             if ctx.rank == HOLD_RANK and loop.step + 1 == DIE_AT and not REPLACEMENT:
                 links.link().broken.wait(timeout=60)
@@ -153,9 +163,10 @@ def prepared(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Optim
              loader: Any) -> Watch:
     """The short form: the script counts its micro-batches itself and steps the optimizer
     every ACCUMULATION of them (DDP all-reduces each: no no_sync here)."""
+    scheduler = warm_up(optimizer)
     model, optimizer, loader = xscale.prepare(model, optimizer, loader, max_steps=MAX_STEPS,
                                               output_dir=sys.argv[1], log_every=5,
-                                              accumulation=ACCUMULATION)
+                                              accumulation=ACCUMULATION, scheduler=scheduler)
     watch = Watch(loader._run.loop, model, optimizer)  # the test reads the loop's step
     for index, (features, target) in enumerate(loader):
         micro = index % ACCUMULATION
@@ -164,6 +175,7 @@ def prepared(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Optim
         loss.backward()
         if micro == ACCUMULATION - 1:
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad()
         if watch.dies_now(ctx.rank, (micro + 1) % ACCUMULATION):
             os.kill(os.getpid(), DIE_HOW)

@@ -26,7 +26,9 @@ class Place(Protocol):
 class Position:
     """Where a loop is, as the source rank sends it after a recovery: the optimizer steps done
     (the place in the epoch follows from it), the step its log and vote intervals count from,
-    its newest checkpoint and its checkpoint interval (auto_every: not yet decided)."""
+    its newest checkpoint and its checkpoint interval (auto_every: not yet decided), and the
+    state dicts of its LR scheduler and GradScaler (None: the loop has none), which the script
+    steps with the optimizer: a replacement's start at step 0, a rollback's at the later step."""
 
     step: int
     log_from: int
@@ -34,6 +36,8 @@ class Position:
     saved_path: str | None
     checkpoint_every: int
     auto_every: bool
+    scheduler: dict | None = None
+    scaler: dict | None = None
 
 
 class StateSize(NamedTuple):
