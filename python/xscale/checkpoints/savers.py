@@ -173,8 +173,13 @@ class EveryRankSaver(TrainingSaver):
 
     def regroup(self) -> None:
         """The checkpoints' group went with the broken one: a new one, and rank 0's run token
-        handed to every rank again (a replacement has drawn its own)."""
-        self.writer.wait()
+        handed to every rank again (a replacement has drawn its own). A write under way when
+        the group broke failed with its collectives: its folder is never published, and the
+        next save prunes it, as a resume passes it over."""
+        try:
+            self.writer.wait()
+        except Exception:  # noqa: BLE001 (gloo's error of the lost peer, whatever its type)
+            pass
         every_rank.forget_group()
         self.group = every_rank.checkpoint_group()
         self.token = every_rank.run_token(self.group)
