@@ -233,17 +233,6 @@ def healed_nid002(cluster):
     cluster.fault("heal", "nid002")
 
 
-def test_a_plain_ddp_script_with_xscales_lines_stops_resumes_and_names_a_straggler(
-        cluster, healed_nid002, tmp_path: Path):
-    out, output = tmp_path / "out", tmp_path / "job.out"
-    steps = 40 * (1024 // 3 // 32)  # 40 epochs of 10 steps per rank
-    job_id = cluster.submit(JOB, with_xscale(OWN_DDP), "--epochs", "40",
-                            output=output, sbatch_options=THREE_RANKS,
-                            env={"OUTPUT_DIR": str(out), **STRAGGLER_ENV})
-    slowed_and_requeued(cluster, job_id, output, out / "xscale-records")
-    check_stopped_and_resumed(output, out, steps, "2 on nid002")
-
-
 def test_a_trainer_script_with_xscales_lines_stops_resumes_and_names_a_straggler(
         cluster, healed_nid002, tiny, tmp_path: Path):  # noqa: F811
     model, data = tiny

@@ -617,7 +617,7 @@ def test_imagenet_with_fsdp_outlives_a_crashed_node_then_refuses_a_corrupted_sna
     nothing is loaded, that node is blamed, and the launch starts again on the other spare from
     the newest checkpoint, to the end, in the same allocation."""
     folder, _ = images
-    steps = 24
+    steps = 20
     corruption, out = {}, tmp_path / "out"
 
     def corrupt_then_crash(nodes: list[str], replacement: str, went_on: int) -> str:
@@ -660,7 +660,7 @@ def test_imagenet_deepspeed_outlives_a_crashed_node_from_peer_snapshots(cluster,
     counters and scheduler with them. (That the weights then end as an uninterrupted run's:
     tests/test_recovery.py, on real processes.)"""
     folder, _ = images
-    steps = 16
+    steps = 12
     text = crashed_under_snapshots(cluster, tmp_path, DEEPSPEED, *DS_TINY, "-b", "16", "-j",
                                    "1", "--max-steps", str(steps), str(folder), **DS_ENV)
     summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
