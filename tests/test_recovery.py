@@ -36,6 +36,7 @@ from tests.helpers import (
     ForkedRanks,
     free_port,
     host_module,
+    hosted_store,
     rank_env,
     results_of,
 )
@@ -78,8 +79,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
 
 
 def run_uninterrupted(output_dir: Path, **extra: str) -> dict[str, float]:
-    port = free_port()
-    ranks = ForkedRanks([([str(PROGRAM), str(output_dir)], rank_env(rank, 3, port, **extra))
+    store = hosted_store(3)
+    ranks = ForkedRanks([([str(PROGRAM), str(output_dir)], rank_env(rank, 3, store, **extra))
                          for rank in range(3)], REPO, PRELOAD,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     runs = ranks.results(timeout=120)
@@ -111,10 +112,10 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
     settings = CASES[case]
     form, accumulation = settings.get("FORM", "loop"), int(settings.get("ACCUMULATION", "1"))
     host_side = host_module("coordinator")
-    port, started, steps = free_port(), {}, MICRO_BATCHES // accumulation
+    store, started, steps = hosted_store(3), {}, MICRO_BATCHES // accumulation
 
     def env(rank: int, node: str, **extra: str) -> dict[str, str]:
-        return rank_env(rank, 3, port, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
+        return rank_env(rank, 3, store, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
                         DIE_AT=str(DIE_AT), DIE_RANK="2", DIE_HOW="kill",
                         XSCALE_RECOVERY=coordinator.address, **settings, **extra)
 
@@ -139,6 +140,8 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
         replacement = started["replacement"]
         runs.append(replacement.communicate(timeout=120))
         codes = [ranks[0].returncode, ranks[1].returncode, replacement.returncode]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*ranks, *started.values()])}")
     finally:
         coordinator.stop()
         for proc in [*ranks, *started.values()]:
@@ -182,11 +185,11 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
     again XSCALE_MAX_RANK_RESTARTS times, and the next failure stops the launch with one line
     naming the rank, the step and the error's first line."""
     host_side = host_module("coordinator")
-    port, restarts, gave_up = free_port(), [], []
+    store, restarts, gave_up = hosted_store(3), [], []
     steps = MICRO_BATCHES
 
     def start(rank: int, node: str, **extra: str) -> subprocess.Popen:
-        env = rank_env(rank, 3, port, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
+        env = rank_env(rank, 3, store, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
                        DIE_AT=str(DIE_AT), DIE_RANK="1",
                        DIE_HOW="kill" if how == "killed-once" else "raise",
                        XSCALE_RECOVERY=coordinator.address, **extra)
@@ -205,6 +208,8 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
         survivors = [ranks[0].communicate(timeout=180), ranks[2].communicate(timeout=60)]
         ranks[1].wait(timeout=60)
         ended = [proc.communicate(timeout=60) for proc in restarts]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*ranks, *restarts])}")
     finally:
         coordinator.stop()
         for proc in [*ranks, *restarts]:
@@ -229,6 +234,16 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
     assert all(proc.returncode not in (0, rank_link.FALLBACK_EXIT)
                for proc in (ranks[1], *restarts)), [ranks[1].returncode, *restarts]
     assert len(coordinator.saved()) == 2, coordinator.saved()
+
+
+def outputs_of(procs: list[subprocess.Popen]) -> str:
+    """The last lines each of PROCS wrote, once killed: what a hung run's failure shows."""
+    tails = []
+    for proc in procs:
+        proc.kill()
+        out, err = proc.communicate()
+        tails.append(f"--- pid {proc.pid}, exit {proc.returncode}:\n{out[-1500:]}{err[-3000:]}")
+    return "\n".join(tails)
 
 
 def hello(rank: int) -> bytes:
@@ -391,10 +406,11 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
 
     model, preload = SHARDED[kind]
     host_side = host_module("coordinator")
-    port, started, steps = free_port(), {}, 40
+    stores, started, steps = [hosted_store(3), hosted_store(3)], {}, 40
 
     def env(rank: int, **extra: str) -> dict[str, str]:
-        values = rank_env(rank, 3, port, SLURMD_NODENAME=f"n{rank}", MAX_STEPS=str(steps),
+        store = stores[0 if "XSCALE_RECOVERY" not in extra else 1]  # one per run
+        values = rank_env(rank, 3, store, SLURMD_NODENAME=f"n{rank}", MAX_STEPS=str(steps),
                           XSCALE_SNAPSHOT_EVERY="10", DS_ACCELERATOR="cpu",
                           TORCH_EXTENSIONS_DIR=str(torch_extensions()), **model, **extra)
         values.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank), NNODES="3")
@@ -447,10 +463,11 @@ def test_a_peer_snapshot_comes_back_whole_or_not_at_all(corrupt: bool):
     replacement (rank 1) the copy its buddy held, shard sizes and dtypes as they were, and both
     go on from the source's place. One byte flipped in the held copy: its CRC-32 does not match,
     and neither rank loads anything: both refuse with the same line."""
-    address = f"tcp://127.0.0.1:{free_port()}"
+    store = hosted_store(2)
+    address = f"tcp://127.0.0.1:{store.port}"
     program = REPO / "tests" / "programs" / "snapshot_pair.py"
     ranks = [subprocess.Popen([sys.executable, str(program), address],
-                              env=rank_env(rank, 2, 0, CORRUPT="1" if corrupt else "0"),
+                              env=rank_env(rank, 2, store, CORRUPT="1" if corrupt else "0"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     outcomes = [(proc.wait(timeout=60), *proc.communicate(timeout=10)) for proc in ranks]
