@@ -236,28 +236,32 @@ def free_port() -> int:
 
 def hosted_store(world: int):
     """The first rendezvous store of WORLD ranks on this machine, hosted by the test itself on a
-    port the kernel chose as it bound it; rank_env makes the ranks its clients, as torchrun's
-    workers are of their agent's store (TORCHELASTIC_USE_AGENT_STORE). A port from free_port()
-    is closed again until rank 0 binds it, seconds later on a busy machine, and any socket of
-    the machine's (gloo's listeners, the bed's ranks) may take it meanwhile. One store per run:
-    a second group would read the first one's keys."""
+    port the kernel chose as it bound it; client_env makes the ranks its clients, as torchrun's
+    workers are of their agent's store. A port from free_port() is closed again until rank 0
+    binds it, seconds later on a busy machine, and any socket of the machine's (gloo's
+    listeners, the bed's ranks) may take it meanwhile. One store per run: a second group would
+    read the first one's keys. Where rank 0's own store is under test (its end at the exit),
+    rank 0 hosts it, as under run.sh."""
     import torch.distributed as dist
 
     return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
 
 
-def rank_env(rank: int, world: int, store, **extra: str) -> dict[str, str]:
-    """A rank's environment on this machine, its rendezvous at STORE (hosted_store), the venv's
-    tools first on PATH as in a job (conftest.tool_env): DeepSpeed's JIT build runs the venv's
-    ninja, not the system's older one, whose other command hash made each rebuild the op the
-    other had built (a minute)."""
+def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """A rank's environment on this machine, the venv's tools first on PATH as in a job
+    (conftest.tool_env): DeepSpeed's JIT build runs the venv's ninja, not the system's older
+    one, whose other command hash made each rebuild the op the other had built (a minute)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-               TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", XSCALE_TIMEOUT_S="60",
-               **extra)
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1", XSCALE_TIMEOUT_S="60", **extra)
     return env
+
+
+def client_env(rank: int, world: int, store, **extra: str) -> dict[str, str]:
+    """rank_env for a client of STORE (hosted_store), as torchrun's agents make theirs."""
+    return rank_env(rank, world, store.port, TORCHELASTIC_USE_AGENT_STORE="True", **extra)
 
 
 def run_two_ranks(tmp_path: Path, program: str, *args: str,
@@ -267,10 +271,10 @@ def run_two_ranks(tmp_path: Path, program: str, *args: str,
     [(exit status, stdout, stderr)] by rank."""
     script = tmp_path / "two_ranks.py"
     script.write_text(program)
-    store = hosted_store(2)
-    ranks = ForkedRanks([([str(script), *args], rank_env(rank, 2, store, **extra))
+    port = free_port()  # rank 0 hosts the store, as under run.sh: some callers test its exit
+    ranks = ForkedRanks([([str(script), *args], rank_env(rank, 2, port, **extra))
                          for rank in range(2)], Path.cwd(), preload,
-                        env=rank_env(0, 2, store, **extra))
+                        env=rank_env(0, 2, port, **extra))
     return [(result.returncode, result.stdout, result.stderr) for result in ranks.results(120)]
 
 

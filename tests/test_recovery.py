@@ -34,15 +34,16 @@ from tests.conftest import REPO
 from tests.helpers import (
     TRAINING_IMPORTS,
     ForkedRanks,
+    client_env,
     free_port,
     host_module,
     hosted_store,
-    rank_env,
     results_of,
 )
 
 PROGRAM = REPO / "tests" / "programs" / "live_ranks.py"
-PRELOAD = (*TRAINING_IMPORTS, "xscale")  # for the uninterrupted runs' forked ranks
+PRELOAD = (*TRAINING_IMPORTS, "xscale")  # what the forked ranks' interpreter imports once
+INTERPRETER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # its own: each rank's is set in its fork
 # 80 micro-batches, less than an epoch; DIE_AT: between two votes (live_ranks.py logs every 5).
 MICRO_BATCHES, DIE_AT, BATCH = 80, 31, 16
 
@@ -80,9 +81,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
 
 def run_uninterrupted(output_dir: Path, **extra: str) -> dict[str, float]:
     store = hosted_store(3)
-    ranks = ForkedRanks([([str(PROGRAM), str(output_dir)], rank_env(rank, 3, store, **extra))
-                         for rank in range(3)], REPO, PRELOAD,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ranks = ForkedRanks([([str(PROGRAM), str(output_dir)], client_env(rank, 3, store, **extra))
+                         for rank in range(3)], REPO, PRELOAD, INTERPRETER_ENV)
     runs = ranks.results(timeout=120)
     return results_of([(run.returncode, run.stdout, run.stderr) for run in runs])[0]["gradients"]
 
@@ -115,9 +115,9 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
     store, started, steps = hosted_store(3), {}, MICRO_BATCHES // accumulation
 
     def env(rank: int, node: str, **extra: str) -> dict[str, str]:
-        return rank_env(rank, 3, store, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
-                        DIE_AT=str(DIE_AT), DIE_RANK="2", DIE_HOW="kill",
-                        XSCALE_RECOVERY=coordinator.address, **settings, **extra)
+        return client_env(rank, 3, store, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
+                          DIE_AT=str(DIE_AT), DIE_RANK="2", DIE_HOW="kill",
+                          XSCALE_RECOVERY=coordinator.address, **settings, **extra)
 
     def start(rank: int, node: str, **extra: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path)],
@@ -128,25 +128,25 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
         started["replacement"] = start(2, "n3", XSCALE_RECOVERY_JOIN=str(generation))
         return ["n3"]
 
-    # Processes of their own: with the three forked from one interpreter (ForkedRanks), the
-    # replacement joined their new group only after 50 s (not investigated).
     coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
     coordinator.start()
+    ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)], env(rank, f"n{rank}"))
+                         for rank in range(3)], REPO, PRELOAD, INTERPRETER_ENV)
     try:
-        ranks = [start(rank, f"n{rank}") for rank in range(3)]
-        ranks[2].wait(timeout=120)
-        runs = [proc.communicate(timeout=120) for proc in (ranks[0], ranks[1])]
-        assert "replacement" in started, runs[0][1][-3000:]  # the coordinator fell back
+        ended = ranks.results(timeout=240)
+        assert "replacement" in started, ended[0].stdout[-3000:]  # the coordinator fell back
         replacement = started["replacement"]
-        runs.append(replacement.communicate(timeout=120))
-        codes = [ranks[0].returncode, ranks[1].returncode, replacement.returncode]
+        out, err = replacement.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*ranks, *started.values()])}")
+        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*started.values()])}")
     finally:
         coordinator.stop()
-        for proc in [*ranks, *started.values()]:
+        ranks.kill()
+        for proc in started.values():
             proc.kill()
-    assert ranks[2].returncode == -9
+    assert ended[2].returncode == -9
+    codes = [ended[0].returncode, ended[1].returncode, replacement.returncode]
+    runs = [(ended[0].stdout, ended[0].stderr), (ended[1].stdout, ended[1].stderr), (out, err)]
     records = results_of([(code, out, err) for code, (out, err) in zip(codes, runs, strict=True)])
     # The survivors trained from the start, the replacement from where the rank was lost;
     # all to the end, with the same parameters and optimizer state.
@@ -188,37 +188,39 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
     store, restarts, gave_up = hosted_store(3), [], []
     steps = MICRO_BATCHES
 
-    def start(rank: int, node: str, **extra: str) -> subprocess.Popen:
-        env = rank_env(rank, 3, store, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
-                       DIE_AT=str(DIE_AT), DIE_RANK="1",
-                       DIE_HOW="kill" if how == "killed-once" else "raise",
-                       XSCALE_RECOVERY=coordinator.address, **extra)
-        return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def env(rank: int, node: str, **extra: str) -> dict[str, str]:
+        return client_env(rank, 3, store, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
+                          DIE_AT=str(DIE_AT), DIE_RANK="1",
+                          DIE_HOW="kill" if how == "killed-once" else "raise",
+                          XSCALE_RECOVERY=coordinator.address, **extra)
 
     def restart(ranks: list[int], generation: int) -> None:
         assert ranks == [1], ranks
-        restarts.append(start(1, "n0", XSCALE_RECOVERY_JOIN=str(generation)))
+        restarts.append(subprocess.Popen(
+            [sys.executable, str(PROGRAM), str(tmp_path)],
+            env=env(1, "n0", XSCALE_RECOVERY_JOIN=str(generation)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
 
     coordinator = host_side.Coordinator(3, lambda nodes, generation: None, gave_up.append,
                                         heartbeat_s=30.0, restart=restart, max_rank_restarts=2)
     coordinator.start()
+    ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)], env(rank, node))
+                         for rank, node in enumerate(["n0", "n0", "n1"])], REPO, PRELOAD,
+                        INTERPRETER_ENV)
     try:
-        ranks = [start(rank, node) for rank, node in enumerate(["n0", "n0", "n1"])]
-        survivors = [ranks[0].communicate(timeout=180), ranks[2].communicate(timeout=60)]
-        ranks[1].wait(timeout=60)
+        first = ranks.results(timeout=240)
         ended = [proc.communicate(timeout=60) for proc in restarts]
     except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*ranks, *restarts])}")
+        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of(restarts)}")
     finally:
         coordinator.stop()
-        for proc in [*ranks, *restarts]:
+        ranks.kill()
+        for proc in restarts:
             proc.kill()
     if how == "killed-once":
-        assert (ranks[1].returncode, len(restarts), gave_up) == (-9, 1, []), survivors[0][1]
-        records = results_of([(proc.returncode, out, err) for proc, (out, err) in
-                              zip([ranks[0], ranks[2], restarts[0]], [*survivors, ended[0]],
-                                  strict=True)])
+        assert (first[1].returncode, len(restarts), gave_up) == (-9, 1, []), first[0].stderr
+        records = results_of([(run.returncode, run.stdout, run.stderr) for run in
+                              (first[0], first[2])] + [(restarts[0].returncode, *ended[0])])
         assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
             (0, 0, steps), (2, 0, steps), (1, DIE_AT, steps)], records
         assert len({r["digest"] for r in records}) == 1, records
@@ -226,13 +228,13 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
         assert (entry["lost"], entry["spares"], entry["restarted"]) == ([], [], [1]), entry
         return
     # Three failures at one step, two restarts: the third ends the launch.
-    assert len(restarts) == 2, (gave_up, survivors[0][1][-3000:])
+    assert len(restarts) == 2, (gave_up, first[0].stderr[-3000:])
     assert gave_up == [f"rank 1 on n0 failed 3 times at step {DIE_AT} (XSCALE_MAX_RANK_RESTARTS="
                        f"2): a bug, not bad luck; the first time: RuntimeError: rank 1 cannot "
                        f"train step {DIE_AT + 1}"], gave_up
-    assert [proc.returncode for proc in (ranks[0], ranks[2])] == [rank_link.FALLBACK_EXIT] * 2
-    assert all(proc.returncode not in (0, rank_link.FALLBACK_EXIT)
-               for proc in (ranks[1], *restarts)), [ranks[1].returncode, *restarts]
+    assert [first[0].returncode, first[2].returncode] == [rank_link.FALLBACK_EXIT] * 2
+    assert all(code not in (0, rank_link.FALLBACK_EXIT) for code in
+               [first[1].returncode, *(proc.returncode for proc in restarts)]), first[1].stderr
     assert len(coordinator.saved()) == 2, coordinator.saved()
 
 
@@ -410,9 +412,9 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
 
     def env(rank: int, **extra: str) -> dict[str, str]:
         store = stores[0 if "XSCALE_RECOVERY" not in extra else 1]  # one per run
-        values = rank_env(rank, 3, store, SLURMD_NODENAME=f"n{rank}", MAX_STEPS=str(steps),
-                          XSCALE_SNAPSHOT_EVERY="10", DS_ACCELERATOR="cpu",
-                          TORCH_EXTENSIONS_DIR=str(torch_extensions()), **model, **extra)
+        values = client_env(rank, 3, store, SLURMD_NODENAME=f"n{rank}", MAX_STEPS=str(steps),
+                            XSCALE_SNAPSHOT_EVERY="10", DS_ACCELERATOR="cpu",
+                            TORCH_EXTENSIONS_DIR=str(torch_extensions()), **model, **extra)
         values.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank), NNODES="3")
         return values
 
@@ -432,23 +434,28 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
                             for run in uninterrupted.results(timeout=120)])
     coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
     coordinator.start()
+    ranks = ForkedRanks([([str(PROGRAM), str(tmp_path / "live")],
+                          env(rank, XSCALE_RECOVERY=coordinator.address, DIE_AT="31",
+                              DIE_RANK="2", DIE_HOW="kill")) for rank in range(3)],
+                        REPO, (*PRELOAD, *preload), env(0))
     try:
-        ranks = [start(rank, XSCALE_RECOVERY=coordinator.address, DIE_AT="31", DIE_RANK="2",
-                       DIE_HOW="kill") for rank in range(3)]
-        ranks[2].wait(timeout=120)
-        runs = [proc.communicate(timeout=120) for proc in (ranks[0], ranks[1])]
-        assert "replacement" in started, runs[0][1][-3000:]  # the coordinator fell back
-        runs.append(started["replacement"].communicate(timeout=120))
-        codes = [ranks[0].returncode, ranks[1].returncode, started["replacement"].returncode]
+        ended = ranks.results(timeout=240)
+        assert "replacement" in started, ended[0].stdout[-3000:]  # the coordinator fell back
+        out, err = started["replacement"].communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*started.values()])}")
     finally:
         coordinator.stop()
-        for proc in [*ranks, *started.values()]:
+        ranks.kill()
+        for proc in started.values():
             proc.kill()
-    assert ranks[2].returncode == -9
+    assert ended[2].returncode == -9
+    codes = [ended[0].returncode, ended[1].returncode, started["replacement"].returncode]
+    runs = [(ended[0].stdout, ended[0].stderr), (ended[1].stdout, ended[1].stderr), (out, err)]
     records = results_of([(code, out, err) for code, (out, err) in zip(codes, runs, strict=True)])
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
         (0, 0, steps), (1, 0, steps), (2, 30, steps)], records
-    assert [r["pid"] for r in records[:2]] == [ranks[0].pid, ranks[1].pid], records
+    assert [r["pid"] for r in records[:2]] == ranks.pids[:2], records
     assert "training goes on at step 30" in runs[0][0] + runs[0][1], runs[0]
     assert len({r["digest"] for r in records}) == 1, records
     assert records[0]["digest"] == pytest.approx(reference[0]["digest"], rel=1e-9), reference
@@ -467,7 +474,7 @@ def test_a_peer_snapshot_comes_back_whole_or_not_at_all(corrupt: bool):
     address = f"tcp://127.0.0.1:{store.port}"
     program = REPO / "tests" / "programs" / "snapshot_pair.py"
     ranks = [subprocess.Popen([sys.executable, str(program), address],
-                              env=rank_env(rank, 2, store, CORRUPT="1" if corrupt else "0"),
+                              env=client_env(rank, 2, store, CORRUPT="1" if corrupt else "0"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     outcomes = [(proc.wait(timeout=60), *proc.communicate(timeout=10)) for proc in ranks]

@@ -191,7 +191,7 @@ class DdpRecovery:
     # ---- the recovery ---------------------------------------------------------------------
 
     def leave(self) -> None:
-        dist.distributed_c10d._abort_process_group()  # gloo and NCCL alike: returns at once
+        links.abort_group()
 
     def reform(self) -> None:
         xdist.join_next_group(self.ctx)

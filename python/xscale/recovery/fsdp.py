@@ -97,7 +97,7 @@ class FsdpRecovery:
 
     def leave(self) -> None:
         self.snapshots.leave()
-        dist.distributed_c10d._abort_process_group()
+        links.abort_group()
 
     def reform(self) -> None:
         xdist.join_next_group(self.ctx)

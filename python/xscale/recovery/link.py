@@ -189,6 +189,19 @@ class Link:
             self.send(contract.Bye())
 
 
+_broken_groups: list[dist.ProcessGroup] = []  # kept for the process's life: abort_group
+
+
+def abort_group(group: dist.ProcessGroup | None = None) -> None:
+    """End every collective still waited on in GROUP (None: every group), and keep the broken
+    groups referenced for the rest of the process. The last reference's release runs a gloo
+    group's destructor, which joins the group's threads; one still waiting on a peer that is
+    alive but left the group (a survivor a step behind) held DDP's reform until the collective
+    timeout (55 s in tests/test_recovery.py). Kept, their threads end at that timeout, unseen."""
+    _broken_groups.extend([group] if group is not None else list(c10d._world.pg_map))
+    c10d._abort_process_group(group)  # gloo and NCCL alike: returns at once
+
+
 def leave_record(why: str, replace: bool = True) -> None:
     """This rank's flight record, as its group breaks: if live recovery cannot follow (a peer
     hung, and another rank's collective timed out), the report names the rank that never

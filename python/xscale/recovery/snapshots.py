@@ -225,7 +225,7 @@ class PeerSnapshots:
         except links.GroupBroken:
             pass
         if self.group is not None:
-            dist.distributed_c10d._abort_process_group(self.group)
+            links.abort_group(self.group)
             self.group = None
 
     def restore(self, joining: bool, source: int) -> Place:

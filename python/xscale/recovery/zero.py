@@ -218,7 +218,7 @@ class ZeroRecovery:
 
     def leave(self) -> None:
         self.snapshots.leave()
-        dist.distributed_c10d._abort_process_group()  # every group, DeepSpeed's clone too
+        links.abort_group()  # every group, DeepSpeed's clone too
 
     def reform(self) -> None:
         """The next default group, DeepSpeed's clone of it made again first (as a
