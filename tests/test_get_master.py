@@ -454,9 +454,9 @@ def valid_hostlists(draw) -> str:
     return out
 
 
-# 80 lists: each costs four processes (scontrol, get-master twice, the sourced function); the
+# 40 lists: each costs four processes (scontrol, get-master twice, the sourced function); the
 # syntax check's own property test below covers the grammar's corners in one process.
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hostlist=valid_hostlists())
 def test_random_valid_lists_match_scontrol(hostlist, scontrol, sourced_first):
     expected = scontrol(hostlist)
