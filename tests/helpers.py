@@ -255,7 +255,8 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               OMP_NUM_THREADS="1", XSCALE_TIMEOUT_S="60", **extra)
+               OMP_NUM_THREADS="1", XSCALE_TIMEOUT_S="60")
+    env.update(extra)
     return env
 
 

@@ -114,10 +114,14 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
     host_side = host_module("coordinator")
     store, started, steps = hosted_store(3), {}, MICRO_BATCHES // accumulation
 
+    # A collective timeout longer than the test waits: a recovery that waited one out (a
+    # broken group's destructor joining a thread still waiting on a survivor, 55 s before
+    # link.abort_group) fails the test instead of slowing it.
     def env(rank: int, node: str, **extra: str) -> dict[str, str]:
         return client_env(rank, 3, store, SLURMD_NODENAME=node, MAX_STEPS=str(steps),
                           DIE_AT=str(DIE_AT), DIE_RANK="2", DIE_HOW="kill",
-                          XSCALE_RECOVERY=coordinator.address, **settings, **extra)
+                          XSCALE_RECOVERY=coordinator.address, XSCALE_TIMEOUT_S="600",
+                          **settings, **extra)
 
     def start(rank: int, node: str, **extra: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path)],
