@@ -123,35 +123,19 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
                           XSCALE_RECOVERY=coordinator.address, XSCALE_TIMEOUT_S="600",
                           **settings, **extra)
 
-    def start(rank: int, node: str, **extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path)],
-                                env=env(rank, node, **extra), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-
     def replace(nodes: list[str], generation: int) -> list[str]:
-        started["replacement"] = start(2, "n3", XSCALE_RECOVERY_JOIN=str(generation))
+        started["replacement"] = subprocess.Popen(
+            [sys.executable, str(PROGRAM), str(tmp_path)],
+            env=env(2, "n3", XSCALE_RECOVERY_JOIN=str(generation)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
         return ["n3"]
 
     coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
     coordinator.start()
     ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)], env(rank, f"n{rank}"))
                          for rank in range(3)], REPO, PRELOAD, INTERPRETER_ENV)
-    try:
-        ended = ranks.results(timeout=240)
-        assert "replacement" in started, ended[0].stdout[-3000:]  # the coordinator fell back
-        replacement = started["replacement"]
-        out, err = replacement.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*started.values()])}")
-    finally:
-        coordinator.stop()
-        ranks.kill()
-        for proc in started.values():
-            proc.kill()
-    assert ended[2].returncode == -9
-    codes = [ended[0].returncode, ended[1].returncode, replacement.returncode]
-    runs = [(ended[0].stdout, ended[0].stderr), (ended[1].stdout, ended[1].stderr), (out, err)]
-    records = results_of([(code, out, err) for code, (out, err) in zip(codes, runs, strict=True)])
+    runs = lost_and_replaced(ranks, started, coordinator)
+    records = results_of(runs)
     # The survivors trained from the start, the replacement from where the rank was lost;
     # all to the end, with the same parameters and optimizer state.
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
@@ -173,10 +157,10 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
             for micro in range(accumulation)}, record["rank"]
     (entry,) = coordinator.saved()
     assert (entry["lost"], entry["spares"], entry["ranks"]) == (["n2"], ["n3"], [2]), entry
-    assert f"training goes on at step {DIE_AT}" in runs[0][1] + runs[0][0], runs[0]
+    assert f"training goes on at step {DIE_AT}" in runs[0][1] + runs[0][2], runs[0]
     if "EVALUATE_AT" in settings:  # the survivors' evaluation is lost, and said so
         assert [r["evaluated"] for r in records] == [{str(DIE_AT): None}] * 2 + [{}], records
-        assert "an evaluation was cut short by a lost rank" in runs[0][0], runs[0][0]
+        assert "an evaluation was cut short by a lost rank" in runs[0][1], runs[0][1]
     assert coordinator.finished(wait_s=5.0)
 
 
@@ -240,6 +224,28 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
     assert all(code not in (0, rank_link.FALLBACK_EXIT) for code in
                [first[1].returncode, *(proc.returncode for proc in restarts)]), first[1].stderr
     assert len(coordinator.saved()) == 2, coordinator.saved()
+
+
+def lost_and_replaced(ranks: ForkedRanks, started: dict[str, subprocess.Popen],
+                      coordinator) -> list[tuple[int, str, str]]:
+    """RANKS (three) to their ends, rank 2 killed, and the replacement the coordinator started
+    for it (STARTED["replacement"]) to its end: [(exit status, stdout, stderr)] of rank 0, rank
+    1 and the replacement. The coordinator is stopped and every process killed, whatever
+    happens."""
+    try:
+        ended = ranks.results(timeout=240)
+        assert "replacement" in started, ended[0].stdout[-3000:]  # the coordinator fell back
+        out, err = started["replacement"].communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*started.values()])}")
+    finally:
+        coordinator.stop()
+        ranks.kill()
+        for proc in started.values():
+            proc.kill()
+    assert ended[2].returncode == -9, ended[2].stderr[-3000:]
+    return [(run.returncode, run.stdout, run.stderr) for run in ended[:2]] + [
+        (started["replacement"].returncode, out, err)]
 
 
 def outputs_of(procs: list[subprocess.Popen]) -> str:
@@ -412,55 +418,41 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
 
     model, preload = SHARDED[kind]
     host_side = host_module("coordinator")
-    stores, started, steps = [hosted_store(3), hosted_store(3)], {}, 40
+    # A store for each run: the live run would read the uninterrupted one's keys.
+    uninterrupted_store, live_store, started, steps = hosted_store(3), hosted_store(3), {}, 40
 
-    def env(rank: int, **extra: str) -> dict[str, str]:
-        store = stores[0 if "XSCALE_RECOVERY" not in extra else 1]  # one per run
+    def env(rank: int, store, **extra: str) -> dict[str, str]:
         values = client_env(rank, 3, store, SLURMD_NODENAME=f"n{rank}", MAX_STEPS=str(steps),
                             XSCALE_SNAPSHOT_EVERY="10", DS_ACCELERATOR="cpu",
                             TORCH_EXTENSIONS_DIR=str(torch_extensions()), **model, **extra)
         values.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank), NNODES="3")
         return values
 
-    def start(rank: int, **extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path / "live")],
-                                env=env(rank, **extra), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-
     def replace(nodes: list[str], generation: int) -> list[str]:
-        started["replacement"] = start(2, XSCALE_RECOVERY=coordinator.address,
-                                       XSCALE_RECOVERY_JOIN=str(generation))
+        started["replacement"] = subprocess.Popen(
+            [sys.executable, str(PROGRAM), str(tmp_path / "live")],
+            env=env(2, live_store, XSCALE_RECOVERY=coordinator.address,
+                    XSCALE_RECOVERY_JOIN=str(generation)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         return ["n3"]
 
-    uninterrupted = ForkedRanks([([str(PROGRAM), str(tmp_path / "uninterrupted")], env(rank))
-                                 for rank in range(3)], REPO, (*PRELOAD, *preload), env(0))
+    uninterrupted = ForkedRanks([([str(PROGRAM), str(tmp_path / "uninterrupted")],
+                                  env(rank, uninterrupted_store)) for rank in range(3)],
+                                REPO, (*PRELOAD, *preload), env(0, uninterrupted_store))
     reference = results_of([(run.returncode, run.stdout, run.stderr)
                             for run in uninterrupted.results(timeout=120)])
     coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
     coordinator.start()
     ranks = ForkedRanks([([str(PROGRAM), str(tmp_path / "live")],
-                          env(rank, XSCALE_RECOVERY=coordinator.address, DIE_AT="31",
-                              DIE_RANK="2", DIE_HOW="kill")) for rank in range(3)],
-                        REPO, (*PRELOAD, *preload), env(0))
-    try:
-        ended = ranks.results(timeout=240)
-        assert "replacement" in started, ended[0].stdout[-3000:]  # the coordinator fell back
-        out, err = started["replacement"].communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*started.values()])}")
-    finally:
-        coordinator.stop()
-        ranks.kill()
-        for proc in started.values():
-            proc.kill()
-    assert ended[2].returncode == -9
-    codes = [ended[0].returncode, ended[1].returncode, started["replacement"].returncode]
-    runs = [(ended[0].stdout, ended[0].stderr), (ended[1].stdout, ended[1].stderr), (out, err)]
-    records = results_of([(code, out, err) for code, (out, err) in zip(codes, runs, strict=True)])
+                          env(rank, live_store, XSCALE_RECOVERY=coordinator.address,
+                              DIE_AT="31", DIE_RANK="2", DIE_HOW="kill")) for rank in range(3)],
+                        REPO, (*PRELOAD, *preload), env(0, live_store))
+    runs = lost_and_replaced(ranks, started, coordinator)
+    records = results_of(runs)
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
         (0, 0, steps), (1, 0, steps), (2, 30, steps)], records
     assert [r["pid"] for r in records[:2]] == ranks.pids[:2], records
-    assert "training goes on at step 30" in runs[0][0] + runs[0][1], runs[0]
+    assert "training goes on at step 30" in runs[0][1] + runs[0][2], runs[0]
     assert len({r["digest"] for r in records}) == 1, records
     assert records[0]["digest"] == pytest.approx(reference[0]["digest"], rel=1e-9), reference
     assert coordinator.finished(wait_s=5.0)
