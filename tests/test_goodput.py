@@ -153,16 +153,23 @@ def test_a_launch_that_failed_after_its_training_finished_lost_no_training():
     assert book["other_s"] == 141 - 120
 
 
-def test_a_live_recovery_is_its_own_share_and_redoes_no_step():
+@pytest.mark.parametrize("shrunk", [False, True])
+def test_a_live_recovery_is_its_own_share_and_redoes_no_step(shrunk: bool):
     """A launch that lost a node at t=100 and trained on, its group re-formed 2.5 s after the
-    failure was noticed (jobs/lib/coordinator.py's record): those seconds are not training."""
-    live = dict(RESUMED, log="live", recoveries=[{"noticed": 100.0, "joined_s": 2.5,
-                                                  "lost": ["nid002"]}])
+    failure was noticed (jobs/lib/coordinator.py's record): those seconds are not training.
+    SHRUNK: no spare was left, and the training from t=102.5 to its end at t=120 went on in a
+    smaller world (the record's world_size): training still, and said so."""
+    recovery = {"noticed": 100.0, "joined_s": 2.5, "lost": ["nid002"]}
+    if shrunk:
+        recovery["world_size"] = 4
+    live = dict(RESUMED, log="live", recoveries=[recovery])
     run = {"started": 70.0, "ended": 125.0, "launches": [live]}
     book = goodput.ledger([run], lambda launch: PROGRESS["s2"])
     assert book["recovery_s"] == 2.5 and book["training_s"] == (120 - 90) - 2.5
     assert book["lost_steps"] == 0 and book["lost_work_s"] == 0
     assert "live recovery 4.5%" in goodput.line(book), goodput.line(book)
+    assert book["smaller_world_s"] == (120 - 102.5 if shrunk else 0)
+    assert goodput.line(book).endswith("; 0.3 min of the training in a smaller world") == shrunk
 
 
 def test_a_sharded_recovery_counts_its_snapshots_and_the_steps_it_rolled_back():

@@ -39,6 +39,7 @@ from tests.helpers import (
     host_module,
     hosted_store,
     results_of,
+    tagged_records,
 )
 
 PROGRAM = REPO / "tests" / "programs" / "live_ranks.py"
@@ -161,6 +162,59 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
     if "EVALUATE_AT" in settings:  # the survivors' evaluation is lost, and said so
         assert [r["evaluated"] for r in records] == [{str(DIE_AT): None}] * 2 + [{}], records
         assert "an evaluation was cut short by a lost rank" in runs[0][1], runs[0][1]
+    assert coordinator.finished(wait_s=5.0)
+
+
+def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_with_the_same_batch(
+        tmp_path: Path, uninterrupted):
+    """Ranks 0, 1 and 2 on nodes n0, n1 and n2; n1 is lost and no spare is left. Ranks 0 and 2
+    go on as a world of two (rank 2 is rank 1 there), and each step's three micro-batches are
+    dealt over them, two to rank 0 and one to rank 1 (xscale.data.Share): every step trains
+    the samples an uninterrupted run of three trains, none twice or skipped, and applies its
+    gradients; the two replicas stay equal to the end; the summary says when the world shrank
+    and keeps the global batch."""
+    host_side = host_module("coordinator")
+    store = hosted_store(3)
+    env = {"MAX_STEPS": str(MICRO_BATCHES), "DIE_AT": str(DIE_AT), "DIE_RANK": "1",
+           "DIE_HOW": "kill", "XSCALE_TIMEOUT_S": "600"}
+    coordinator = host_side.Coordinator(3, lambda nodes, generation: None, lambda why: None,
+                                        heartbeat_s=30.0, min_nodes=2)
+    coordinator.start()
+    ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)],
+                          client_env(rank, 3, store, SLURMD_NODENAME=f"n{rank}",
+                                     XSCALE_RECOVERY=coordinator.address, **env))
+                         for rank in range(3)], REPO, PRELOAD, INTERPRETER_ENV)
+    try:
+        ended = ranks.results(timeout=240)
+    finally:
+        coordinator.stop()
+        ranks.kill()
+    assert ended[1].returncode == -9, ended[1].stderr[-3000:]
+    runs = [(run.returncode, run.stdout, run.stderr) for run in (ended[0], ended[2])]
+    records = results_of(runs)
+    assert [(r["rank"], r["steps"]) for r in records] == [(0, MICRO_BATCHES), (2, MICRO_BATCHES)]
+    assert records[0]["digest"] == records[1]["digest"], records
+    # Each step after the loss: rank 0 trained the launch's ranks 0 and 2's batches, rank 2
+    # (rank 1 now) rank 1's; and applied the uninterrupted run's gradients.
+    expected = [expected_batches(rank, 1) for rank in range(3)]
+    reference = uninterrupted("loop", MICRO_BATCHES, 1)
+    for step in range(DIE_AT + 1, MICRO_BATCHES + 1):
+        trained = sorted(records[0]["trained"].get(f"{step}.{micro}") for micro in (0, 1))
+        trained = [*trained, records[1]["trained"].get(f"{step}.0")]
+        assert trained[:2] == sorted([expected[0][f"{step}.0"], expected[2][f"{step}.0"]]), step
+        assert trained[2] == expected[1][f"{step}.0"], step
+        assert f"{step}.1" not in records[1]["trained"], step
+        assert records[0]["gradients"][str(step)] == pytest.approx(reference[str(step)],
+                                                                   rel=1e-3), step
+    (entry,) = coordinator.saved()
+    assert (entry["lost"], entry["spares"], entry["world_size"]) == (["n1"], [], 2), entry
+    said = runs[0][1] + runs[0][2]
+    assert "training goes on as 2 ranks on 2 nodes, each step's 48 samples dealt over them " \
+        "(2 micro-batches on rank 0)" in said, said[-3000:]
+    (summary,) = tagged_records(runs[0][1], "XSCALE_SUMMARY")
+    assert (summary["world_size"], summary["global_batch_size"]) == (2, 48), summary
+    (shrink,) = summary["shrinks"]
+    assert (shrink["step"], shrink["world_size"], shrink["nodes"]) == (DIE_AT, 2, 2), summary
     assert coordinator.finished(wait_s=5.0)
 
 
@@ -296,6 +350,44 @@ def test_a_loop_live_recovery_cannot_serve_falls_back_with_its_reason_not_no_sur
             connection.close()
     assert reasons == [f"rank 1 on n1 (pid 1) is gone; rank 0 on n0 cannot be recovered live: "
                        f"{why}"], reasons
+
+
+@pytest.mark.parametrize("min_nodes, shrinks, why", [
+    (2, True, "1 node would be left, fewer than XSCALE_MIN_NODES=2"),
+    (1, False, "rank 0 on n0 cannot go on in a smaller world (only xscale.Loop with a DDP "
+               "model deals a step's batch over fewer ranks)")])
+def test_with_no_spare_a_world_that_cannot_shrink_falls_back_saying_why(
+        min_nodes: int, shrinks: bool, why: str):
+    """Two ranks on two nodes, no spare, rank 1's node lost: below XSCALE_MIN_NODES, or with a
+    rank whose loop cannot deal a step's batch over fewer ranks (Hugging Face's Trainer), the
+    coordinator falls back (the usual restart or requeue) and says which."""
+    host_side = host_module("coordinator")
+    reasons: list[str] = []
+    gave_up = threading.Event()
+
+    def give_up(reason: str) -> None:
+        reasons.append(reason)
+        gave_up.set()
+
+    coordinator = host_side.Coordinator(2, lambda nodes, generation: None, give_up,
+                                        heartbeat_s=30.0, min_nodes=min_nodes)
+    coordinator.start()
+    port = int(coordinator.address.rsplit(":", 1)[1])
+    ranks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+    try:
+        for rank, connection in enumerate(ranks):
+            connection.sendall(hello(rank) + contract.encode(contract.Live(shrinks=shrinks)))
+        with coordinator.changed:
+            assert coordinator.changed.wait_for(lambda: len(coordinator.peers) == 2 and all(
+                peer.live for peer in coordinator.peers.values()), timeout=10)
+        ranks.pop().close()  # rank 1's node is gone
+        ranks[0].sendall(contract.encode(contract.Left(generation=0, step=7)))
+        assert gave_up.wait(timeout=10)
+    finally:
+        coordinator.stop()
+        for connection in ranks:
+            connection.close()
+    assert reasons == [f"no spare node is left for n1, and {why}"], reasons
 
 
 def test_a_loop_without_torch_ddp_says_why_it_cannot_be_recovered_live(monkeypatch):

@@ -78,7 +78,7 @@ def common_fields(**changes) -> dict:
                       "checkpoint": 0.02, "other": 0.02},
         "bound": "compute", "tflops": 0.02, "mfu": None,
         "step_time_ranks": {"rank": 1, "spread": {}}, "flops": {"per_step": 10**9},
-        "summary_file": None,
+        "shrinks": None, "summary_file": None,
     }
     return {**fields, **changes}
 

@@ -320,8 +320,9 @@ def test_live_recovery_runs_with_spares_unless_xscale_live_recovery_is_0(live_re
 
     supervisor_module = host_module("supervisor")
     settings = types.SimpleNamespace(spares=1, max_rank_restarts=2, live_recovery=live_recovery,
-                                     heartbeat_s=30.0, patterns=[])
-    allocation = types.SimpleNamespace(per_node=2, launch_nodes=["nid001", "nid002"])
+                                     heartbeat_s=30.0, patterns=[], min_nodes=None)
+    allocation = types.SimpleNamespace(per_node=2, launch_nodes=["nid001", "nid002"],
+                                       nodes=["nid001", "nid002", "nid003"], needed=2)
     line = types.SimpleNamespace(built=True)
     live = supervisor_module.live_launch(settings, allocation, line, "launch.log")
     if not live_recovery:

@@ -73,13 +73,17 @@ class Allocation:
         """Live recovery: a spare takes NODE's place in the launch, at its position (its ranks
         keep their numbers); the spare, or None when none is left."""
         self.excluded.add(node)
-        spares = [spare for spare in self.nodes
-                  if spare not in self.excluded and spare not in self.launch_nodes]
+        spares = self.spares_left()
         if not spares or node not in self.launch_nodes:
             return None
         self.launch_nodes[self.launch_nodes.index(node)] = spares[0]
         self.moved = True
         return spares[0]
+
+    def spares_left(self):
+        """The allocation's nodes that neither run the launch nor were excluded."""
+        return [node for node in self.nodes
+                if node not in self.excluded and node not in self.launch_nodes]
 
     def placed(self, line):
         """LINE (a LaunchLine) on the launch's nodes: unchanged until spares or a restart move

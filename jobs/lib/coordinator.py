@@ -15,14 +15,18 @@ Beat for XSCALE_HEARTBEAT_S (a frozen node, which sends nothing at all). Then, i
    on spares, with its rank numbers, if a spare is left. A lost rank whose node-mates left
    failed on its own (the node runs: they answered through it): `restart(ranks, generation)`
    starts it again on its node, unless it failed more than `max_rank_restarts` times at that
-   step (a bug: the launch stops with the first failure's line).
+   step (a bug: the launch stops with the first failure's line). No spare left: the survivors
+   go on as a smaller world, renumbered in their order, if every one of them can (it said
+   Live with shrinks: its loop deals each step's global batch over the ranks left), rank 0
+   is among them and at least `min_nodes` nodes are left.
 3. HostStore to the lowest surviving rank, which answers with its new store's address; Join to
    every rank of the next generation, the replacements as they arrive: the group re-forms there,
    and the replacements get the training state from that rank.
 4. Once every rank has Joined, training is under way again; the recovery is noted.
 
-Anything else (a rank not live, a failure during a recovery, no spare left, a rank's own failure
-too often, a replacement that does not join within JOIN_TIMEOUT_S) is a Fallback: every
+Anything else (a rank not live, a failure during a recovery, no spare left and no smaller world,
+a rank's own failure too often, a replacement that does not join within JOIN_TIMEOUT_S) is a
+Fallback: every
 rank exits, `give_up()` ends the launch, and the supervisor does what it does without live
 recovery (docs/FAILURES.md: report, restart on a spare, or requeue).
 
@@ -61,6 +65,7 @@ class Peer:
         self.generation = generation
         self.last_beat = now
         self.live = self.bye = self.closed = self.lost = False
+        self.shrinks = False  # its loop can go on in a smaller world (it said so with Live)
         self.not_live = None  # why its training cannot be recovered live, as it said
         self.failed = None  # its own error's first line, as it said before it ended
         self.left = self.joined = None  # the generation it last left, and joined
@@ -99,12 +104,16 @@ class Coordinator:
     GENERATION; the spares, or None when none are left. restart(ranks, generation): start RANKS
     again on their own nodes, into GENERATION; None, or why not. give_up(why): end the launch
     (the fallback). heartbeat_s: how long a rank may be silent. max_rank_restarts: how often one
-    rank may fail on its own at one step and start again."""
+    rank may fail on its own at one step and start again. min_nodes: the fewest nodes a
+    smaller world may train on when no spare is left (0: none is formed)."""
 
     def __init__(self, world_size, replace, give_up, heartbeat_s, restart=None,
-                 max_rank_restarts=0, now=time.monotonic):
+                 max_rank_restarts=0, now=time.monotonic, min_nodes=0):
         self.world_size, self.replace, self.give_up = world_size, replace, give_up
         self.restart, self.max_rank_restarts = restart, max_rank_restarts
+        self.min_nodes = min_nodes
+        self.met = set()  # every rank that said Hello, as the launch numbers them
+        self.layout = None  # after a shrink: the launch's numbers of the ranks, in rank order
         self.heartbeat_s, self.now = heartbeat_s, now
         self.own_failures = {}  # (rank, step) -> the first line of each failure of it there
         self.hung = []  # ranks found silent while their node's other ranks answered
@@ -157,6 +166,7 @@ class Coordinator:
                     int(hello.generation), self.now())
         with self.changed:
             self.peers[peer.rank] = peer  # a replacement takes its rank's place
+            self.met.add(peer.rank)
             join = self.join
             self.changed.notify_all()
         if join is not None and peer.generation == join.generation:
@@ -169,7 +179,7 @@ class Coordinator:
                 return  # a lost process, replaced (a frozen node thawed): no news
             peer.last_beat = self.now()
             if isinstance(received, contract.Live):
-                peer.live = True
+                peer.live, peer.shrinks = True, bool(received.shrinks)
             elif isinstance(received, contract.NotLive):
                 peer.not_live = received.why
             elif isinstance(received, contract.Left):
@@ -257,10 +267,20 @@ class Coordinator:
         if refusal:
             self.fall_back(refusal)
             return
-        spares = self.replace(lost_nodes, generation + 1) if lost_nodes else []
-        if lost_nodes and not spares:
-            self.fall_back("no spare node is left for %s" % hostlist.compress(lost_nodes))
+        if restarted and self.layout is not None:
+            self.fall_back("%s failed on its own in a smaller world, where no rank is started "
+                           "again" % on_their_own[0])
             return
+        lost_ranks = sorted(peer.rank for peer in lost)
+        spares = (self.replace(lost_nodes, generation + 1) or []) if lost_nodes else []
+        before = None
+        if lost_nodes and not spares:
+            refusal = self._shrink_refusal(survivors, restarted)
+            if refusal:
+                self.fall_back("no spare node is left for %s, and %s"
+                               % (hostlist.compress(lost_nodes), refusal))
+                return
+            before = self._shrink(survivors)
         refusal = self.restart(restarted, generation + 1) if restarted else None
         if refusal:
             self.fall_back(refusal)
@@ -274,15 +294,19 @@ class Coordinator:
         if joined is None:
             return
         record = {"generation": generation + 1, "why": why, "lost": lost_nodes,
-                  "spares": spares, "restarted": restarted,
-                  "ranks": sorted(peer.rank for peer in lost),
+                  "spares": spares, "restarted": restarted, "ranks": lost_ranks,
                   "noticed": round(noticed_at, 3), "left_s": round(launched - noticed, 3),
                   "joined_s": round(joined - noticed, 3)}
+        if before is not None:
+            record["world_size"] = self.world_size
         with self.changed:
             self.recoveries.append(record)
+        change = what_changed(spares, lost_nodes, restarted) if before is None else (
+            "%d ranks on %d nodes go on without %s (ranks %s before)"
+            % (self.world_size, len({peer.node for peer in survivors}),
+               hostlist.compress(lost_nodes), ",".join(str(rank) for rank in before)))
         say("live recovery: %s; the group re-formed %.1f s after the failure was noticed "
-            "(generation %d)" % (what_changed(spares, lost_nodes, restarted), joined - noticed,
-                                 generation + 1))
+            "(generation %d)" % (change, joined - noticed, generation + 1))
 
     def _leavers(self, generation, deadline):
         """(the ranks that left GENERATION by DEADLINE, lowest first; the others)."""
@@ -350,6 +374,38 @@ class Coordinator:
                                                               self.max_rank_restarts, tries[0]))
         return None
 
+    def _shrink_refusal(self, survivors, restarted):
+        """Why the survivors cannot go on as a smaller world, or None."""
+        nodes = {peer.node for peer in survivors}
+        unable = [peer for peer in survivors if not peer.shrinks]
+        if unable:
+            return ("%s cannot go on in a smaller world (only xscale.Loop with a DDP model "
+                    "deals a step's batch over fewer ranks)" % unable[0])
+        if survivors[0].rank != 0:
+            return "rank 0 was lost with it (its log and summary are the run's)"
+        if restarted:
+            return "a rank failed on its own at the same time"
+        if len(nodes) < self.min_nodes:
+            return "%d node%s would be left, fewer than XSCALE_MIN_NODES=%d" % (
+                len(nodes), "" if len(nodes) == 1 else "s", self.min_nodes)
+        return None
+
+    def _shrink(self, survivors):
+        """The survivors become the whole world, renumbered in their order; returns their
+        numbers before. The next Join tells each rank its place (the launch's numbers, in rank
+        order: a rank knows itself by those)."""
+        with self.changed:
+            before = [peer.rank for peer in survivors]
+            layout = self.layout or list(range(self.world_size))
+            self.layout = [layout[rank] for rank in before]
+            self.peers = {}
+            for rank, peer in enumerate(survivors):
+                peer.rank = rank
+                self.peers[rank] = peer
+            self.world_size = len(survivors)
+            self.changed.notify_all()
+        return before
+
     def _not_live(self):
         """Why the ranks' training cannot be recovered live, or None: every rank must be in a
         loop that can leave a broken step (it said Live). A rank that said why not is named
@@ -372,7 +428,8 @@ class Coordinator:
 
     def _form(self, generation, store, source, started):
         """Join for GENERATION to every rank of it; when all have joined, or None (a fallback)."""
-        join = contract.Join(generation=generation, store=store, source=source)
+        join = contract.Join(generation=generation, store=store, source=source,
+                             ranks=self.layout)
         with self.changed:
             self.generation, self.join = generation, join
             ready = [peer for peer in self.peers.values() if peer.generation == generation
@@ -452,7 +509,8 @@ class LiveLaunch:
     the lines that blame a node (jobs/lib/blame): a rank is not started again on a node they
     blame."""
 
-    def __init__(self, allocation, line, log, heartbeat_s, max_rank_restarts, patterns):
+    def __init__(self, allocation, line, log, heartbeat_s, max_rank_restarts, patterns,
+                 min_nodes=0):
         self.allocation, self.line, self.log = allocation, line, log
         self.patterns = patterns
         self.replacements = {}  # a node's index or a rank -> its newest replacement's srun
@@ -461,7 +519,7 @@ class LiveLaunch:
         self.main = None  # the launch's srun, once started
         world_size = len(allocation.launch_nodes) * allocation.per_node
         self.coordinator = Coordinator(world_size, self._replace, self._give_up, heartbeat_s,
-                                       self._restart, max_rank_restarts)
+                                       self._restart, max_rank_restarts, min_nodes=min_nodes)
 
     def start(self):
         self.coordinator.start()
@@ -480,6 +538,9 @@ class LiveLaunch:
                             placed.placement)
 
     def _replace(self, lost_nodes, generation):
+        if len(self.allocation.spares_left()) < len(lost_nodes):
+            self.allocation.excluded.update(lost_nodes)
+            return None  # none started: the ranks left may go on without them
         self._clear_flight_records()
         spares = []
         for node in lost_nodes:
@@ -573,7 +634,7 @@ class LiveLaunch:
         if not ended or self.coordinator.fallen_back:
             return
         ranks = hostlist.expand_numbers(ended.group("ranks"))
-        strangers = [rank for rank in ranks if rank not in self.coordinator.peers]
+        strangers = [rank for rank in ranks if rank not in self.coordinator.met]
         if strangers:
             self.coordinator.fall_back("rank %d ended (%s) and never reached the coordinator "
                                        "(not started through xscale)"

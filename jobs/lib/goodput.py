@@ -24,6 +24,8 @@ training was held up, the end). From them, in seconds:
                  later failure threw away is lost work); a replicated model's redoes no step
     other        the rest: staging, evaluation, the script's own set-up and clean-up
     queued       not allocated: the wait in the queue after each requeue
+    smaller_world  part of training: the kept training after a live recovery with no spare left
+                 went on without the lost node (a recovery record's world_size)
 
 goodput is training / allocated. The supervisor prints it as the job's script ends,
 
@@ -58,8 +60,12 @@ def account_launch(launch, events, next_launch):
     if trained is None:
         return spent, lost
     kept = [event for event in events if trained[0] <= event["time"] <= trained[1]]
-    recovery = sum(_overlap(entry, trained) for entry in launch.get("recoveries") or [])
+    recoveries = launch.get("recoveries") or []
+    recovery = sum(_overlap(entry, trained) for entry in recoveries)
     _move(spent, "recovery", recovery)
+    shrunk = [entry["noticed"] + entry.get("joined_s", 0.0) for entry in recoveries
+              if "world_size" in entry and entry.get("noticed") is not None]
+    spent["smaller_world"] = max(trained[1] - min(shrunk), 0.0) if shrunk else 0.0
     _move(spent, "snapshots", sum(event.get("stall_s", 0.0) for event in kept
                                   if event.get("event") == contract.SNAPSHOT))
     rolled_back = [event for event in kept if event.get("event") == contract.ROLLED_BACK]
@@ -121,6 +127,7 @@ def ledger(attempts, progress_of):
     total = dict.fromkeys(CATEGORIES, 0.0)
     allocated = queued = 0.0
     lost_steps = 0
+    smaller_world = 0.0
     previous_end = None
     for attempt in attempts:
         started, ended = attempt.get("started"), attempt.get("ended")
@@ -135,12 +142,14 @@ def ledger(attempts, progress_of):
             follows = launches[index + 1].get("launched") if index + 1 < len(launches) else None
             spent, lost = account_launch(launch, progress_of(launch), follows)
             lost_steps += lost
+            smaller_world += spent.get("smaller_world", 0.0)
             for category in CATEGORIES:
                 total[category] += spent[category]
     counted = sum(total[category] for category in CATEGORIES if category != "other")
     total["other"] = max(allocated - counted, 0.0)
     book = {"goodput": total["training"] / allocated if allocated > 0 else None,
-            "allocated_s": allocated, "queued_s": queued, "lost_steps": lost_steps}
+            "allocated_s": allocated, "queued_s": queued, "lost_steps": lost_steps,
+            "smaller_world_s": smaller_world}
     book.update(("%s_s" % category, seconds) for category, seconds in total.items())
     return book
 
@@ -157,6 +166,8 @@ def line(book):
     text = "%.1f%% of %.1f min (%s)" % (100 * book["goodput"], allocated / 60, shares)
     if book["lost_steps"]:
         text += "; %d steps redone" % book["lost_steps"]
+    if book.get("smaller_world_s"):
+        text += "; %.1f min of the training in a smaller world" % (book["smaller_world_s"] / 60)
     if book["queued_s"]:
         text += "; %.1f min queued after requeues" % (book["queued_s"] / 60)
     return text

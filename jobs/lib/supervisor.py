@@ -72,6 +72,7 @@ class Settings:
         self.live_recovery = xscale_settings.value("XSCALE_LIVE_RECOVERY", env)
         self.max_rank_restarts = xscale_settings.value("XSCALE_MAX_RANK_RESTARTS", env)
         self.heartbeat_s = xscale_settings.value("XSCALE_HEARTBEAT_S", env)
+        self.min_nodes = xscale_settings.value("XSCALE_MIN_NODES", env)
         self.job = requeue_id(env)
         self.attempt = int(env.get("SLURM_RESTART_COUNT") or 0)  # Slurm counts the requeues
         self.records_dir = xscale_settings.value("XSCALE_RECORDS_DIR", env) or os.path.join(
@@ -245,7 +246,21 @@ def live_launch(settings, allocation, line, log):
             and line.built and allocation.per_node and len(allocation.launch_nodes) > 1):
         return None
     return coordinator.LiveLaunch(allocation, line, log, settings.heartbeat_s,
-                                  settings.max_rank_restarts, settings.patterns)
+                                  settings.max_rank_restarts, settings.patterns,
+                                  min_nodes(settings, allocation))
+
+
+def min_nodes(settings, allocation):
+    """The fewest nodes a smaller world may train on (XSCALE_MIN_NODES; by default half the
+    nodes the launch trains on, the spares left out); a floor above those nodes is a mistake."""
+    nodes = allocation.needed
+    if settings.min_nodes is None:
+        return max(nodes // 2, 1)
+    if settings.min_nodes > nodes and allocation.nodes:
+        raise UserError("XSCALE_MIN_NODES=%d is more than the %d nodes the launch trains on "
+                        "(XSCALE_SPARES=%d of the job's %d wait)" % (
+                            settings.min_nodes, nodes, settings.spares, len(allocation.nodes)))
+    return settings.min_nodes
 
 
 def restart(settings, attempt, allocation, blamed):
@@ -516,7 +531,7 @@ def main(argv=None):
         settings = Settings(os.environ)
         if args.verb == "check":
             JobRecords(settings)
-            Allocation.from_env(settings.env, settings.spares)
+            min_nodes(settings, Allocation.from_env(settings.env, settings.spares))
             return 0
         if args.verb == "launch":
             return command_launch(settings, args.stop_file, launch_line(args))

@@ -8,7 +8,8 @@ repeated samples, so counts summed over ranks are exactly the data set.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Sequence, Sized
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,25 +19,91 @@ from xscale.dist import DistContext
 from xscale.lifecycle import UserError, worker_context
 
 
+@dataclass(frozen=True)
+class Share:
+    """This rank's part of every step's global batch once the world is smaller than the one the
+    batch was laid out for (live recovery without a spare, docs/FAILURES.md): the launch's
+    `world` ranks drew `accumulation` micro-batches of `batch_size` each per step; those
+    world x accumulation micro-batches are dealt in turn to the ranks left, and this rank
+    trains on the ones numbered `micro_batches` (rank x accumulation + m, in the launch's
+    layout). The epoch's order and the steps stay the launch's: no sample is seen twice or
+    skipped, and each step's gradient is the mean over the same samples."""
+
+    world: int
+    accumulation: int
+    batch_size: int
+    micro_batches: tuple[int, ...]
+
+    @classmethod
+    def dealt(cls, world: int, accumulation: int, batch_size: int, rank: int,
+              ranks: int) -> Share:
+        """RANK's share among RANKS ranks, of a batch laid out for WORLD."""
+        return cls(world, accumulation, batch_size,
+                   tuple(range(rank, world * accumulation, ranks)))
+
+    def indices(self, order: Sequence[int], first_step: int, steps: int) -> Iterator[int]:
+        """This rank's samples of the epoch's ORDER from FIRST_STEP up to STEPS, micro-batch by
+        micro-batch: micro-batch m of the launch's rank r at step s is what r drew then (it
+        took every world-th sample of the order from its own, accumulation x batch_size a
+        step)."""
+        for step in range(first_step, steps):
+            for number in self.micro_batches:
+                owner, micro = divmod(number, self.accumulation)
+                start = owner + self.world * (step * self.accumulation + micro) * self.batch_size
+                yield from order[start:start + self.world * self.batch_size:self.world]
+
+    @property
+    def per_step(self) -> int:
+        return self.accumulation * self.batch_size
+
+
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler whose epoch can start after its first `skip` samples."""
+    """DistributedSampler whose epoch can start after its first `skip` samples, and whose rank
+    can take a Share of each step's batch after the world shrank (`share`)."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool = True,
                  seed: int = 0) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                          seed=seed, drop_last=True)
         self.skip = 0
+        self.share: Share | None = None
 
     def set_position(self, epoch: int, skip: int = 0) -> None:
+        """EPOCH, after SKIP samples of this rank's (of the launch's rank's, under a share:
+        whole steps of it)."""
         self.set_epoch(epoch)
         self.skip = min(max(skip, 0), self.num_samples)
 
+    def micro_batches(self, accumulation: int) -> int:
+        """How many micro-batches this rank trains on per optimizer step."""
+        return accumulation if self.share is None else len(self.share.micro_batches)
+
+    def epoch_order(self) -> list[int]:
+        """The epoch's samples as every rank orders them, DistributedSampler's way: shuffled
+        by seed + epoch, cut to a multiple of the launch's world; rank r takes every
+        num_replicas-th from r."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        else:
+            order = list(range(len(self.dataset)))
+        return order[:self.total_size]
+
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        return iter(indices[self.skip:])
+        order = self.epoch_order()
+        if self.share is None:
+            return iter(order[self.rank::self.num_replicas][self.skip:])
+        share = self.share
+        return share.indices(order, self.skip // share.per_step,
+                             self.num_samples // share.per_step)
 
     def __len__(self) -> int:
-        return self.num_samples - self.skip
+        if self.share is None:
+            return self.num_samples - self.skip
+        share = self.share
+        steps = self.num_samples // share.per_step - self.skip // share.per_step
+        return steps * len(share.micro_batches) * share.batch_size
 
 
 class ShardSampler(Sampler[int]):
@@ -101,13 +168,15 @@ def train_batches(loader: DataLoader, sampler: ResumableSampler, *, start_step: 
                   epochs: int | None, max_steps: int | None,
                   accumulation: int = 1) -> Iterator[tuple[int, int, Any]]:
     """(global step, epoch, micro-batch) from `start_step` until `epochs` or `max_steps` ends
-    it; `accumulation` micro-batches per step.
+    it; `accumulation` micro-batches per step (the sampler's share of them, after the world
+    shrank).
 
     The epoch and the place in it follow from the step, so a resumed run continues the
     interrupted epoch with the same shuffled order.
     """
     batch_size = loader.batch_size or 1
     per_epoch = steps_per_epoch(sampler, batch_size, accumulation)
+    micro_batches = sampler.micro_batches(accumulation)  # this rank's, per step
     step = start_step
     epoch = step // per_epoch
     while (epochs is None or epoch < epochs) and (max_steps is None or step < max_steps):
@@ -116,7 +185,7 @@ def train_batches(loader: DataLoader, sampler: ResumableSampler, *, start_step: 
             if (max_steps is not None and step >= max_steps) or step >= (epoch + 1) * per_epoch:
                 break
             yield step, epoch, batch
-            if (index + 1) % accumulation == 0:
+            if (index + 1) % micro_batches == 0:
                 step += 1
         if max_steps is not None and step >= max_steps:
             return

@@ -300,10 +300,11 @@ def init_distributed(
 
 def join_next_group(ctx: DistContext, timeout: timedelta | None = None) -> None:
     """Form the group that live recovery's coordinator names next, on its store: a replacement
-    at its start, a survivor after leaving the broken one (xscale.recovery)."""
+    at its start, a survivor after leaving the broken one (xscale.recovery), with the rank and
+    world size the coordinator gave (a smaller world renumbers the ranks)."""
     link = links.link()
     store, generation = link.next_store()
-    dist.init_process_group(backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size,
+    dist.init_process_group(backend=ctx.backend, rank=link.rank, world_size=link.world_size,
                             timeout=timeout or timeout_from_env(), store=store,
                             **_eager_init(ctx.backend, ctx.device))
     link.formed(generation)

@@ -90,8 +90,9 @@ def _prepare(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoa
     resumable = resumable_loader(loader, ctx)
     if output_dir is None:
         output_dir = os.environ.get("OUTPUT_DIR") or None
+    # The script counts its micro-batches itself: a smaller world's share would not be its.
     loop = Loop(ctx, resumable, model=model, optimizer=optimizer, scaler=scaler,
-                scheduler=scheduler, output_dir=output_dir, **options)
+                scheduler=scheduler, output_dir=output_dir, shrinks=False, **options)
     run = PreparedRun(loop, optimizer, scaler)
     return model, optimizer, ResumableLoader(run, resumable)
 

@@ -358,6 +358,7 @@ class LoopConfig:
     checkpoint_fields: dict[str, Any] | None = None
     save: Callable[[int, int], Any] | None = None
     resumed_step: int | None = None
+    shrinks: bool = True
 
 
 class Loop:
@@ -378,7 +379,10 @@ class Loop:
     without .py). checkpoint_fields: more entries for each checkpoint file. scaler,
     scheduler: a GradScaler and an LR scheduler, saved and restored with the checkpoints.
     A script with checkpoints of its own passes `save(step, epoch)`, called at the cadence
-    above (returning where it saved), and `resumed_step`, the step it restored.
+    above (returning where it saved), and `resumed_step`, the step it restored. shrinks: with
+    live recovery and no spare left, the ranks left go on without a lost node, each step's
+    global batch dealt over them (more micro-batches per rank: the script steps its optimizer
+    at `loop.boundary`); False for a script that counts its micro-batches itself.
     """
 
     def __init__(self, ctx: DistContext, loader: DataLoader, *, model: nn.Module,
@@ -413,7 +417,7 @@ class Loop:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         # With spares, live recovery (xscale.recovery); a replacement takes its state from the
         # survivors, not from a checkpoint. A loop it cannot serve says why, once, now.
-        self.live, not_live = live.for_loop(ctx, model, optimizer)
+        self.live, not_live = live.for_loop(ctx, model, optimizer, redivides=config.shrinks)
         if not_live is not None and ctx.is_main:
             print(f"xscale: live recovery is off for this run: {not_live}; a lost node "
                   "restarts the launch on a spare instead (docs/YOUR-SCRIPT.md)", flush=True)
@@ -449,6 +453,8 @@ class Loop:
         self.window = profile_window.window_from_env(ctx.rank, ctx.device)
         self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
                                            say=self.log.message)
+        self.shrinks: list[dict[str, Any]] = []  # each smaller world the run went on in
+        self._script_reads: set[str] = set()  # which of boundary, sync_gradients
         if resumed is not None:
             self.message(f"{self.prog}: resuming from step {resumed} in {self.output_dir}")
 
@@ -512,15 +518,23 @@ class Loop:
                                   accumulation=self.accumulation)
 
     @property
+    def micro_batches(self) -> int:
+        """This rank's micro-batches per optimizer step: `accumulation`, or its share of every
+        rank's after the world shrank (xscale.data.Share)."""
+        return self.sampler.micro_batches(self.accumulation)
+
+    @property
     def boundary(self) -> bool:
         """Whether the micro-batch under way completes an optimizer step."""
-        return self._micro + 1 == self.accumulation
+        self._script_reads.add("boundary")
+        return self._micro + 1 == self.micro_batches
 
     def sync_gradients(self, model: nn.Module) -> AbstractContextManager:
         """DDP's no_sync() (FSDP2's set_requires_gradient_sync(False)) on every micro-batch
         but the last of a step: one gradient reduction per optimizer step, not one per
         micro-batch."""
-        if self.boundary:
+        self._script_reads.add("sync_gradients")
+        if self._micro + 1 == self.micro_batches:
             return nullcontext()
         if hasattr(model, "no_sync"):
             return model.no_sync()
@@ -536,10 +550,10 @@ class Loop:
             return
         self.log.add(self.step, loss, samples)
         self._micro += 1
-        if self._micro < self.accumulation:
+        if self._micro < self.micro_batches:
             return
         self._micro = 0
-        self._end_step(samples * self.accumulation, tokens)
+        self._end_step(samples * self.micro_batches, tokens)
 
     def stepped(self, micro_batches: list[tuple[torch.Tensor | None, int]]) -> None:
         """After an optimizer step that the script made without record() (xscale.prepare's
@@ -563,6 +577,8 @@ class Loop:
         self.stragglers.step()
         self.tally.clock.step()
         self.meter.step(samples, tokens)
+        if self.live is not None and len(self._script_reads) == 2:
+            self.live.may_shrink()  # the script takes its micro-batches from the loop
         if self.step == self.start_step + 1:
             self.tally.first_step(self.step)
         self.log.advance()
@@ -645,6 +661,8 @@ class Loop:
         # Broken since the last batch (the coordinator's ABORT, an evaluation): no collective
         # on the broken group.
         if not self.live.broken:
+            if self._micro and self.sampler.share is not None:
+                return  # unequal shares of a step: the kind's collectives once, at its start
             try:
                 self.live.before_batch()
                 return
@@ -664,10 +682,36 @@ class Loop:
         self._take_position(recovered.position)
         if self.step < left_step:  # a sharded kind rolled back to a snapshot
             self.tally.rolled_back(self.step, left_step - self.step, left_at)
-        self.stragglers.restart(gather_to_rank0(contract.node_name()))  # a node changed
+        if dist.get_world_size() != self.ctx.world_size:
+            self._go_on_smaller()
+        else:
+            self.stragglers.restart(gather_to_rank0(contract.node_name()))  # a node changed
         self.message(f"{self.prog}: live recovery: training goes on at step {self.step}, "
                      f"{recovered.seconds:.1f} s after this rank left the broken group (the "
                      f"state's transfer: {recovered.handover_s:.2f} s)")
+
+    def _go_on_smaller(self) -> None:
+        """No spare was left: this rank has a new number in a smaller world (the coordinator's,
+        xscale.recovery.link), and takes its share of each step's global batch, which stays
+        the launch's (xscale.data.Share): the same samples, the same steps, the same mean."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        nodes: list[str] = [""] * world
+        dist.all_gather_object(nodes, contract.node_name())
+        self.ctx = replace(self.ctx, rank=rank, world_size=world, nnodes=len(set(nodes)))
+        self.sampler.share = data.Share.dealt(self.sampler.num_replicas, self.accumulation,
+                                              self.batch_size, rank, world)
+        self.tally.clock.world_size = world
+        self.stragglers.restart(nodes, rank, world, self.micro_batches)
+        self.shrinks.append({"step": self.step, "world_size": world, "nodes": self.ctx.nnodes,
+                             "since": time.perf_counter()})
+        self.message(f"{self.prog}: no spare node was left: training goes on as {world} ranks "
+                     f"on {self.ctx.nnodes} nodes, each step's {self._global_batch} samples "
+                     f"dealt over them ({self.micro_batches} micro-batches on rank 0)")
+
+    @property
+    def _global_batch(self) -> int:
+        """The samples of an optimizer step: the launch's ranks' (the sampler's layout)."""
+        return self.batch_size * self.accumulation * self.sampler.num_replicas
 
     def _position(self) -> Position:
         """Where this rank's loop is; after a recovery the source rank's is every rank's."""
@@ -756,7 +800,18 @@ class Loop:
                       stopped=self.stopped, checkpoint=self.saved_path,
                       batch_size=self.batch_size, accumulation=self.accumulation,
                       counts_tokens=False, stragglers=self.stragglers, tally=self.tally,
-                      output_dir=self.output_dir, **own)
+                      output_dir=self.output_dir, global_batch_size=self._global_batch,
+                      shrinks=self._shrinks_done(), **own)
+
+    def _shrinks_done(self) -> list[dict[str, Any]] | None:
+        """Each smaller world the run went on in: from which step, its ranks and nodes, and
+        the seconds it trained so (until the next, or the end); None: it never shrank."""
+        if not self.shrinks:
+            return None
+        ends = [shrink["since"] for shrink in self.shrinks[1:]] + [time.perf_counter()]
+        return [{"step": shrink["step"], "world_size": shrink["world_size"],
+                 "nodes": shrink["nodes"], "seconds": round(end - shrink["since"], 3)}
+                for shrink, end in zip(self.shrinks, ends, strict=True)]
 
 
 def _state_of(schedule: Any) -> dict | None:
@@ -777,9 +832,13 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
                   loss_first: float | None, loss_last: float | None, stopped: bool,
                   checkpoint: object | None, batch_size: int, accumulation: int,
                   counts_tokens: bool, stragglers: stragglers.StragglerWatch | None,
-                  tally: RunTally, output_dir: str | Path | None = None, **own: Any) -> None:
+                  tally: RunTally, output_dir: str | Path | None = None,
+                  global_batch_size: int | None = None,
+                  shrinks: list[dict[str, Any]] | None = None, **own: Any) -> None:
     """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer; the whole
-    summary also into OUTPUT_DIR/xscale-summary.json (xscale.observe.runlog)."""
+    summary also into OUTPUT_DIR/xscale-summary.json (xscale.observe.runlog). The global batch
+    is every rank's micro-batches unless the loop says (a world that shrank kept the launch's);
+    SHRINKS: each smaller world the run went on in (Loop._shrinks_done)."""
     rates = meter.reduced()
     node, phases = contract.node_name(), startup.rank_phases()
     runlog.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node, steps=steps,
@@ -800,7 +859,7 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "trainer": trainer, "world_size": ctx.world_size, "nodes": ctx.nnodes,
         "device": ctx.device.type, "backend": ctx.backend,
         "start_step": start_step, "steps": steps, "batch_size": batch_size,
-        "global_batch_size": batch_size * accumulation * ctx.world_size,
+        "global_batch_size": global_batch_size or batch_size * accumulation * ctx.world_size,
         "accumulation": accumulation,
         "samples_per_s": round(rates["samples_per_s"], 3),
         "samples_per_s_per_rank": round(rates["samples_per_s_per_rank"], 3),
@@ -821,6 +880,7 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
         "mfu": None if used is None or used.mfu is None else float(f"{used.mfu:.4g}"),
         "step_time_ranks": None if step_time is None else step_time.ranks(),
         "flops": None if used is None else used.field(),
+        "shrinks": shrinks,
         "summary_file": runlog.summary_path(output_dir),
     }
     own = {name: significant(value) if isinstance(value, float) else value

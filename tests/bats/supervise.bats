@@ -82,6 +82,22 @@ JOB
   done
 }
 
+@test "a floor of nodes that is no number, or more than the launch's nodes, stops before the step runs" {
+  local setting
+  for setting in XSCALE_MIN_NODES=two XSCALE_MIN_NODES=0; do
+    run env "$setting" bash -c \
+      "source '$REPO/jobs/lib/supervise.sh'; requeueable_step touch '$WORK/ran'"
+    [ "$status" -eq 2 ]
+    [ "$output" = "xscale: error: XSCALE_MIN_NODES='${setting#*=}' must be a whole number of at least 1" ]
+  done
+  run env XSCALE_MIN_NODES=4 XSCALE_SPARES=1 SLURM_JOB_NODELIST='nid[001-004]' \
+    SLURM_TASKS_PER_NODE='2(x4)' bash -c \
+    "source '$REPO/jobs/lib/supervise.sh'; requeueable_step touch '$WORK/ran'"
+  [ "$status" -eq 2 ]
+  [ "$output" = "xscale: error: XSCALE_MIN_NODES=4 is more than the 3 nodes the launch trains on (XSCALE_SPARES=1 of the job's 4 wait)" ]
+  [ ! -e "$WORK/ran" ]
+}
+
 @test "a warning during an earlier step is held: the training step does not start, the job requeues" {
   cat >"$WORK/job.sh" <<JOB
 set -euo pipefail

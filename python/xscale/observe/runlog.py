@@ -45,7 +45,7 @@ SUMMARY_FIELDS = (
     "loss_first", "loss_last", "seconds", "train_seconds",
     "stopped_early", "signal", "checkpoint", "checkpoint_stall_s", "checkpoints_saved",
     "startup", "straggler", "step_time", "bound", "tflops", "mfu", "step_time_ranks", "flops",
-    "summary_file",
+    "shrinks", "summary_file",
 )
 # The whole summary, written by rank 0 into the run's output directory before the line.
 SUMMARY_FILE = "xscale-summary.json"

@@ -130,13 +130,14 @@ class StragglerWatch:
         self._history: list[tuple[int, list[float]]] = []  # (steps, seconds per rank), rank 0
         self._named: set[int] = set()
         self._totals = [0.0] * world_size
+        self.micro_batches = 1  # per step on this rank (more after the world shrank)
 
     def step(self) -> None:
         self._steps_since += 1
 
     def contribution(self) -> torch.Tensor:
         """This rank's seconds of own work per step since the last interval, at its index."""
-        per_step = self.clock.take() / max(self._steps_since, 1)
+        per_step = self.clock.take() / max(self._steps_since, 1) / self.micro_batches
         vector = torch.zeros(self.world_size, dtype=torch.float64)
         vector[self.rank] = per_step
         return vector
@@ -188,10 +189,17 @@ class StragglerWatch:
                 break
         return found
 
-    def restart(self, nodes: list[str]) -> None:
+    def restart(self, nodes: list[str], rank: int | None = None, world_size: int | None = None,
+                micro_batches: int = 1) -> None:
         """After a live recovery: the ranks' nodes now (rank 0's list), and a new account whose
-        first interval is a warm-up, on every rank alike."""
+        first interval is a warm-up, on every rank alike. In a smaller world, this rank's new
+        RANK and the WORLD_SIZE, and its MICRO_BATCHES per step: ranks dealt more of a step's
+        batch than others are judged by their work per micro-batch."""
         self.nodes = nodes
+        if world_size is not None and world_size != self.world_size:
+            self.rank, self.world_size = rank, world_size
+            self._totals, self._named = [0.0] * world_size, set()
+        self.micro_batches = micro_batches
         self.clock.take()
         self._steps_since = self._observed = 0
         self._history = []

@@ -8,6 +8,10 @@ xscale.recovery.protocol.Recoverable (docs/FAILURES.md, "Live recovery").
   and the loop recovers without counting the step. With several micro-batches per step, the
   all-reduce of the last one is the step's only collective but for the buffers' broadcast, so
   a step broken earlier runs to its end alone and is dropped the same way.
+- The all-reduced gradients are divided by the launch's world size, the ranks each step's
+  global batch is laid out for: in a smaller world (no spare left) the ranks left train on
+  every micro-batch of the step between them (xscale.data.Share), so the sum over them divided
+  so is the same mean as before.
 - DDP's buffer broadcast at each forward is done by the loop before it hands out a batch
   (before_batch), abortably, like the loop's own collectives (xscale.recovery.link.wait).
 - The state is replicated: the lowest surviving rank sends the model, the optimizer and the
@@ -108,12 +112,11 @@ class DdpRecovery:
         key, generation = id(mine), self.link.generation
         with self._lock:
             self._pending[key] = (mine, gradients)
-        world = dist.get_world_size()
 
         def finished(work_future: torch.futures.Future) -> None:
             try:
                 work_future.value()
-                result = gradients.div_(world)
+                result = gradients.div_(self.link.launch_world)
             except Exception as error:
                 self.link.declare_broken(str(error), generation)
                 result = gradients
@@ -173,7 +176,7 @@ class DdpRecovery:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in parameters])
         links.wait(dist.all_reduce(flat, async_op=True))
-        flat.div_(dist.get_world_size())
+        flat.div_(self.link.launch_world)
         offset = 0
         for parameter in parameters:
             size = parameter.grad.numel()
@@ -205,7 +208,7 @@ class DdpRecovery:
             dist.broadcast(tensor.data, source)
         carried = [self.optimizer.state_dict(), position]
         dist.broadcast_object_list(carried, source, device=xdist.collective_device())
-        if self.ctx.rank != source:
+        if dist.get_rank() != source:
             self.optimizer.load_state_dict(carried[0])
         return carried[1]
 

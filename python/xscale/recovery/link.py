@@ -48,6 +48,9 @@ class Link:
                  heartbeat_s: float) -> None:
         host, _, port = address.rpartition(":")
         self.rank, self.world_size, self.generation = rank, world_size, generation
+        # The launch's numbering, kept in a smaller world: each step's global batch is laid
+        # out for its ranks, and the coordinator names this rank by it.
+        self.launch_rank, self.launch_world = rank, world_size
         self.socket = socket.create_connection((host, int(port)), timeout=30)
         self.socket.settimeout(None)
         self._send_lock = threading.Lock()
@@ -85,10 +88,11 @@ class Link:
             self.send(contract.Broken(generation=generation, why=why[:200]))
             self._break()
 
-    def live(self) -> None:
-        """This rank's training can leave a broken step and re-enter: recovery may be live."""
+    def live(self, shrinks: bool) -> None:
+        """This rank's training can leave a broken step and re-enter: recovery may be live.
+        SHRINKS: it can also go on in a smaller world, when no spare is left."""
         self.is_live = True
-        self.send(contract.Live())
+        self.send(contract.Live(shrinks=shrinks))
 
     def not_live(self, why: str) -> None:
         """This rank's training cannot be recovered live, for WHY (said once, at its start)."""
@@ -106,9 +110,12 @@ class Link:
 
     def next_store(self) -> tuple[dist.Store, int]:
         """The next group's store, and its generation, once the coordinator names them (JOIN):
-        the store this rank hosts, or a client of the one another rank hosts."""
+        the store this rank hosts, or a client of the one another rank hosts. In a smaller
+        world this rank takes its number there (`rank`, `world_size`)."""
         self.joined.wait()
         join = self.join
+        if join.ranks is not None:
+            self.rank, self.world_size = join.ranks.index(self.launch_rank), len(join.ranks)
         host, port = join.store
         if self.store is not None and self.store.port == port:
             store = self.store

@@ -28,9 +28,20 @@ from xscale.shared import settings
 class Live:
     """A loop's live recovery: its kind of training and this rank's link."""
 
-    def __init__(self, kind: Recoverable, link: links.Link) -> None:
+    def __init__(self, kind: Recoverable, link: links.Link, redivides: bool) -> None:
         self.kind, self.link = kind, link
-        link.live()
+        # A smaller world needs a state every rank holds whole, and a loop that deals each
+        # step's batch over the ranks left; the script's part comes later (may_shrink).
+        self._shrinkable = redivides and kind.state_size().layout == "replicated"
+        link.live(shrinks=False)
+
+    def may_shrink(self) -> None:
+        """The script steps its optimizer at the loop's boundary and reduces the gradients when
+        the loop says (xscale.Loop.sync_gradients): with no spare left, this rank can go on in
+        a smaller world, where it may train more micro-batches a step than another."""
+        if self._shrinkable:
+            self._shrinkable = False
+            self.link.live(shrinks=True)
 
     @property
     def broken(self) -> bool:
@@ -85,10 +96,12 @@ class Live:
         self.link.close()
 
 
-def for_loop(ctx: DistContext, model: nn.Module,
-             optimizer: Any) -> tuple[Live | None, str | None]:
+def for_loop(ctx: DistContext, model: nn.Module, optimizer: Any,
+             redivides: bool = False) -> tuple[Live | None, str | None]:
     """A loop's live recovery when the coordinator is there and a kind serves its model; else
-    None, and why not (None as well without the coordinator: nothing to say)."""
+    None, and why not (None as well without the coordinator: nothing to say). REDIVIDES: the
+    loop deals each step's global batch over a smaller world (xscale.Loop's sampler), so with
+    a replicated state it can go on without a lost node when no spare is left."""
     link = links.link()
     if link is None:
         return None, None
@@ -108,4 +121,4 @@ def for_loop(ctx: DistContext, model: nn.Module,
     if kind is None:
         link.not_live(why)
         return None, why
-    return Live(kind, link), None
+    return Live(kind, link, redivides), None

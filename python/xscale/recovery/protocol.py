@@ -83,8 +83,8 @@ class Recoverable(Protocol):
         loop does not count the step."""
 
     def state_size(self) -> StateSize:
-        """What this rank would hand over. Nothing reads it yet: the peer snapshots of sharded
-        kinds will size their host memory from it (docs/ARCHITECTURE.md)."""
+        """What this rank would hand over. Its layout decides whether a smaller world can go
+        on with it (replicated: every rank left holds all of it; xscale.recovery.live)."""
 
     def leave(self) -> None:
         """Abort the broken group's work: every collective still waited on ends now."""

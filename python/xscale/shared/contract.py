@@ -81,7 +81,7 @@ class Hello(NamedTuple):
 
 
 class Live(NamedTuple):
-    pass
+    shrinks: bool = False  # its loop can go on in a smaller world (the same global batch)
 
 
 class NotLive(NamedTuple):
@@ -130,6 +130,7 @@ class Join(NamedTuple):
     generation: int
     store: list  # [host, port]
     source: int  # the rank whose state every rank takes
+    ranks: list = None  # a smaller world: its ranks' numbers before, in their new order
 
 
 class Fallback(NamedTuple):

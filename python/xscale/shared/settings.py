@@ -284,6 +284,10 @@ SETTINGS = (
             "a failed node's ranks are replaced from a spare (XSCALE_SPARES), and a rank that "
             "failed on its own is started again on its node, while the others keep their "
             "processes and train on (docs/FAILURES.md); 0: restart the whole launch", JOBS),
+    Setting("XSCALE_MIN_NODES", whole(1), None,
+            "with live recovery and no spare left: the fewest nodes the ranks left may train on "
+            "without a lost node, each step's global batch dealt over them (default: the job's "
+            "nodes minus its spares, halved); below it, the usual restart or requeue", JOBS),
     Setting("XSCALE_HEARTBEAT_S", number(above=0, unit="seconds"), 30.0,
             "with live recovery: a rank silent this long is lost with its node (a frozen node)",
             JOBS),
