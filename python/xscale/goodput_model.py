@@ -12,7 +12,11 @@ the job back in the queue: Slurm's hold, the wait in the queue, a new allocation
 spares again. The work since the last checkpoint is lost at each failure. Idle spares fail too.
 With --live (live recovery, docs/FAILURES.md) a failure blamed on a node, with a spare left,
 costs only its noticing, the group's re-forming, the state's transfer and the replacement's
-start: the step goes on, nothing is lost.
+start: the step goes on, nothing is lost. With --rank-restarts too, a failure not blamed on a
+node costs the same (its rank starts again on its own node; no spare is used); with --shrink,
+a node failure with no spare left costs the noticing and the re-forming, and the nodes left
+train on at their share of the speed (the same global batch) while at least half the nodes
+are left, until the allocation ends.
 
 Out: the effective training time ratio (training / wall-clock time, queue waits included) and
 the goodput per node-hour (training node-hours / allocated node-hours, spares included: a spare
@@ -52,6 +56,9 @@ class Assumptions:
     reform_s: float = 0.5  # nvidia-resiliency-ext's group rebuild at 16k ranks
     transfer_s: float = 0.7  # 16 GB of state (1B parameters with Adam) at 25 GB/s
     replacement_s: float = 60.0  # one node's ranks started: its container, `import torch`
+    rank_restarts: bool = False  # with live: a failure not blamed on a node, live too
+    shrink: bool = False  # with live: no spare left, the nodes left train on, slower
+    min_share: float = 0.5  # of the nodes, the fewest a smaller world trains on (XSCALE_MIN_NODES)
 
     def live_s(self) -> float:
         return self.notice_s + self.reform_s + self.transfer_s + self.replacement_s
@@ -73,24 +80,26 @@ class Campaign:
 
 
 def step(rng: random.Random, model: Assumptions, budget: float, left: float,
-         startup_s: float | None = None):
+         startup_s: float | None = None, speed: float = 1.0):
     """One training step, from its launch: (seconds it ran, training it saved, training done up
     to its end, how it ended: 'failure', 'limit' or 'done'). It ends at the first failure
     (during its start-up too), when BUDGET (the allocation's time left) runs out, or with LEFT
-    seconds of training done. STARTUP_S: the start-up (0 where live recovery goes on)."""
+    seconds of training done. STARTUP_S: the start-up (0 where live recovery goes on). SPEED:
+    the training done per second, a share of the whole job's (a smaller world)."""
     startup_s = model.startup_s if startup_s is None else startup_s
     interval = model.checkpoint_interval()
     period = interval + model.checkpoint_s
     failure = rng.expovariate(1 / model.mean_time_between_failures())
-    finish = startup_s + (left // interval) * period + left % interval
+    need = left / speed
+    finish = startup_s + (need // interval) * period + need % interval
     ran = min(failure, budget, finish)
     trained_for = max(ran - startup_s, 0.0)
-    done = min(trained_for - (trained_for // period) * model.checkpoint_s, left)
+    done = min(trained_for - (trained_for // period) * model.checkpoint_s, need) * speed
     if ran == finish:
         return ran, left, left, "done"
     if ran == budget:  # the time limit's warning: a checkpoint of everything done, then requeue
         return ran, done, done, "limit"
-    return ran, (trained_for // period) * interval, done, "failure"
+    return ran, (trained_for // period) * interval * speed, done, "failure"
 
 
 def allocation(rng: random.Random, model: Assumptions, spares: int, campaign: Campaign) -> None:
@@ -100,19 +109,26 @@ def allocation(rng: random.Random, model: Assumptions, spares: int, campaign: Ca
     spares_fail_at = [rng.expovariate(hours) for _ in range(spares)]
     used = model.setup_s  # staging reaches the spares too: a restart needs none
     startup_s = model.startup_s
+    training = model  # the nodes that train now: fewer in a smaller world
     while True:
-        ran, saved, done, ending = step(rng, model, max(model.wall_s - used, 0.0),
-                                        model.work_s - campaign.trained, startup_s)
+        ran, saved, done, ending = step(rng, training, max(model.wall_s - used, 0.0),
+                                        model.work_s - campaign.trained, startup_s,
+                                        training.nodes / model.nodes)
         used += ran
         if ending != "failure":
             campaign.trained += saved
             break
         healthy = [index for index, fails in enumerate(spares_fail_at) if fails > used]
         blamed = bool(healthy) and rng.random() < model.node_share  # drawn as it always was
-        if model.live and healthy and blamed:  # nothing lost; the step goes on
+        if not healthy and model.live and (model.rank_restarts or model.shrink):
+            blamed = rng.random() < model.node_share
+        went_on = _live(model, training, bool(healthy), blamed)
+        if went_on is not None:  # nothing lost; the step goes on
             campaign.trained += done
-            del spares_fail_at[healthy[0]]
-            used += model.live_s()
+            if healthy and blamed:
+                del spares_fail_at[healthy[0]]
+            training, seconds = went_on
+            used += seconds
             startup_s = 0.0
             continue
         campaign.trained += saved
@@ -126,6 +142,19 @@ def allocation(rng: random.Random, model: Assumptions, spares: int, campaign: Ca
     campaign.node_seconds += used * (model.nodes + spares)
     if ending != "done":
         campaign.wall += model.hold_s + model.queue_s
+
+
+def _live(model: Assumptions, training: Assumptions, spare: bool,
+          blamed: bool) -> tuple[Assumptions, float] | None:
+    """How live recovery goes on after a failure (BLAMED on a node or not; a SPARE left or
+    not): the nodes that train then and the seconds it costs; None where it does not."""
+    if not model.live:
+        return None
+    if blamed and spare or not blamed and model.rank_restarts:
+        return training, model.live_s()  # a replacement, on a spare or on the rank's node
+    if blamed and model.shrink and training.nodes - 1 >= model.min_share * model.nodes:
+        return replace(training, nodes=training.nodes - 1), model.notice_s + model.reform_s
+    return None
 
 
 def simulate(model: Assumptions, spares: int, runs: int, seed: int = 1) -> tuple[float, float]:
@@ -218,6 +247,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m xscale.goodput_mo
     parser.add_argument("--live", action="store_true",
                         help="live recovery: a node failure with a spare left costs "
                              "--notice-s and the replacement's start, nothing else")
+    parser.add_argument("--rank-restarts", action="store_true",
+                        help="with --live: a failure not blamed on a node starts its rank "
+                             "again on its node, live, instead of the requeue")
+    parser.add_argument("--shrink", action="store_true",
+                        help="with --live: a node failure with no spare left goes on without "
+                             "the node, slower, while half the nodes are left")
     parser.add_argument("--notice-s", type=float, default=defaults.notice_s,
                         help="with --live: seconds until a failure is noticed (a frozen node: "
                              "the heartbeat window)")
@@ -236,7 +271,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m xscale.goodput_mo
     model = replace(defaults, nodes=args.nodes, checkpoint_s=args.checkpoint_s,
                     startup_s=args.startup_s, detect_s=args.detect_s, setup_s=args.setup_s,
                     queue_s=args.queue_s, live=args.live, notice_s=args.notice_s,
-                    replacement_s=args.replacement_s)
+                    replacement_s=args.replacement_s, rank_restarts=args.rank_restarts,
+                    shrink=args.shrink)
     for spares, (ratio, per_node_hour) in compare_spares(model, args.runs).items():
         print(f"{spares:3d} spares: {ratio:6.1%} of the wall-clock time trains, "
               f"{per_node_hour:6.1%} of the node-hours")
