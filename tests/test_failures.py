@@ -314,7 +314,7 @@ def submit_lumi_mnist(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[
 SPARE_STEPS, SPARE_EVERY, SPARE_LOG_EVERY = 120, 50, 5
 # Two crashes come by about step 110 (a checkpoint, a recovery, the next checkpoint); the
 # smaller world then trains the rest.
-SHRUNK_STEPS = 300
+SHRUNK_STEPS = 200
 
 
 def submit_with_a_spare(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[str, Path, Path]:
