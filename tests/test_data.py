@@ -64,6 +64,39 @@ def test_accumulated_steps_resume_at_the_same_micro_batch():
     assert batches(0, 4) + batches(4, 7) == whole
 
 
+def test_the_ranks_left_share_each_step_and_the_epoch_as_the_launchs_ranks_drew_them():
+    """Six ranks laid out the batches (two micro-batches of three a step); from step 1 of the
+    epoch five ranks go on, across an epoch boundary: each step, the five together train the
+    samples the six would have, none twice (their twelve micro-batches dealt 3, 3, 2, 2, 2), the
+    steps end where the six's would (xscale.data.Share). At full size the sampler draws what
+    torch's DistributedSampler draws."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(100))
+    world, accumulation, size, ranks = 6, 2, 3, 5
+
+    def steps(rank: int, share: data.Share | None, start: int) -> dict[int, list[int]]:
+        sampler = data.ResumableSampler(dataset, num_replicas=world, rank=rank, seed=5)
+        sampler.share = share
+        loader = data.make_loader(dataset, sampler, batch_size=size, workers=0,
+                                  device=torch.device("cpu"), drop_last=True)
+        drawn: dict[int, list[int]] = {}
+        for step, _, batch in data.train_batches(loader, sampler, start_step=start, epochs=None,
+                                                 max_steps=4, accumulation=accumulation):
+            drawn.setdefault(step, []).extend(batch[0].tolist())
+        return drawn
+
+    launch = [steps(rank, None, 0) for rank in range(world)]
+    left = [steps(rank, data.Share.dealt(world, accumulation, size, rank, ranks), 1)
+            for rank in range(ranks)]
+    assert all(set(drawn) == {1, 2, 3} for drawn in left), left
+    for step in range(1, 4):  # 16 samples a rank: 2 steps an epoch
+        assert sorted(sum((drawn[step] for drawn in left), [])) == \
+            sorted(sum((drawn[step] for drawn in launch), [])), step
+    assert [len(left[rank][1]) for rank in range(ranks)] == [9, 9, 6, 6, 6]
+    torch_sampler = torch.utils.data.DistributedSampler(dataset, world, 1, seed=5,
+                                                        drop_last=True)
+    assert list(data.ResumableSampler(dataset, world, 1, seed=5)) == list(torch_sampler)
+
+
 @pytest.mark.parametrize("how, start, survives", [
     ("xscale", "spawn", True), ("xscale", "fork", True),
     # The control: spawned workers start with SIGUSR1's default action, which kills them.

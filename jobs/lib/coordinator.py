@@ -26,9 +26,8 @@ Beat for XSCALE_HEARTBEAT_S (a frozen node, which sends nothing at all). Then, i
 
 Anything else (a rank not live, a failure during a recovery, no spare left and no smaller world,
 a rank's own failure too often, a replacement that does not join within JOIN_TIMEOUT_S) is a
-Fallback: every
-rank exits, `give_up()` ends the launch, and the supervisor does what it does without live
-recovery (docs/FAILURES.md: report, restart on a spare, or requeue).
+Fallback: every rank exits, `give_up()` ends the launch, and the supervisor does what it does
+without live recovery (docs/FAILURES.md: report, restart on a spare, or requeue).
 
 The batch host is the allocation's first node: if it fails, the job fails with it, so the
 coordinator's own loss costs nothing more. One connection per rank; a machine of 10,000s of

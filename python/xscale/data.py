@@ -54,6 +54,7 @@ class Share:
 
     @property
     def per_step(self) -> int:
+        """The samples one of the launch's ranks drew a step."""
         return self.accumulation * self.batch_size
 
 
