@@ -64,7 +64,7 @@ SUMMARY_TYPES = {
     "checkpoint": (str, None), "checkpoint_stall_s": float, "checkpoints_saved": int,
     "startup": dict, "straggler": (dict, None), "step_time": (dict, None), "bound": (str, None),
     "tflops": (float, None), "mfu": (float, None), "step_time_ranks": (dict, None),
-    "flops": (dict, None), "summary_file": str,
+    "flops": (dict, None), "shrinks": (list, None), "summary_file": str,
 }
 
 

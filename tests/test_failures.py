@@ -234,13 +234,13 @@ def test_a_killed_rank_ends_the_job_fast_and_its_torn_write_is_passed_over_on_re
     """kill -9 of rank 1 (2 nodes x 1) while rank 0's background write of a checkpoint is
     under way: rank 0 ends at once instead of waiting in an all-reduce until the collective
     timeout (an hour here): live recovery's coordinator, with no spare for a rank alone on its
-    node, tells it to exit (without the coordinator, srun's --kill-on-bad-exit=1 does); the
-    half-written file was never published, and the next run resumes from the checkpoint before
-    it."""
+    node and no smaller world below two nodes (XSCALE_MIN_NODES=2), tells it to exit (without
+    the coordinator, srun's --kill-on-bad-exit=1 does); the half-written file was never
+    published, and the next run resumes from the checkpoint before it."""
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     env = {"DATA": str(mnist_data), "OUTPUT_DIR": str(out_dir), "MAX_STEPS": "100000",
            "EPOCHS": "100000", "CHECKPOINT_EVERY": "10", "XSCALE_TIMEOUT_S": "3600",
-           **SLOW_STORAGE}
+           "XSCALE_MIN_NODES": "2", **SLOW_STORAGE}
     one_per_node = (f"--chdir={REPO}", "--ntasks-per-node=1")
     job_id = cluster.submit(MNIST_JOB, env=env, output=output, sbatch_options=one_per_node)
     try:
