@@ -617,9 +617,12 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
 
 
 def rate(events: list[dict], first: int, last: int) -> float:
-    """Steps per second between the interval notes past step FIRST and up to step LAST."""
+    """Steps per second between the interval notes past step FIRST and up to step LAST (NaN
+    with fewer than two: a figure for the note, not a check)."""
     inside = [event for event in events if event["event"] == "interval"
               and first < event["step"] <= last]
+    if len(inside) < 2 or inside[-1]["time"] == inside[0]["time"]:
+        return math.nan
     return (inside[-1]["step"] - inside[0]["step"]) / (inside[-1]["time"] - inside[0]["time"])
 
 
