@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -329,10 +330,14 @@ def run_forked(commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
     return forked_runs_results(commands, out)
 
 
-def forked_runs_input(commands: list[tuple[list[str], dict[str, str]]], cwd: Path) -> str:
-    """forked_runs.py's runs.json for (ARGV, ENV) COMMANDS run in CWD."""
-    return json.dumps([{"argv": argv, "env": run_env, "cwd": str(cwd)}
-                       for argv, run_env in commands])
+def forked_runs_input(commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
+                      held: dict[int, Path] | None = None) -> str:
+    """forked_runs.py's runs.json for (ARGV, ENV) COMMANDS run in CWD; HELD: the FIFO of each
+    command (by index) that waits there to be released."""
+    runs = [{"argv": argv, "env": run_env, "cwd": str(cwd)} for argv, run_env in commands]
+    for index, fifo in (held or {}).items():
+        runs[index]["held"] = str(fifo)
+    return json.dumps(runs)
 
 
 def forked_runs_results(commands: list[tuple[list[str], dict[str, str]]],
@@ -347,21 +352,40 @@ class ForkedRanks:
     """The ranks of one host-only job, started at once as forks of one interpreter that imported
     PRELOAD (tests/programs/forked_runs.py --together): each (ARGV, ENV) a process of its own,
     as `python ARGV` starts, without paying `import torch` again. ENV is that interpreter's, as
-    for run_forked. The ranks' pids are in `pids`, for signals."""
+    for run_forked. The ranks' pids are in `pids`, for signals.
+
+    HELD: (ARGV, ENV) of processes forked now that run only when `release` adds variables to
+    their environment, in turn: the replacements a test's coordinator starts for lost ranks.
+    Their results follow the ranks'; one never released ends with -9 once the ranks have ended.
+    """
 
     def __init__(self, commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
-                 preload: tuple[str, ...], env: dict[str, str]):
-        self.commands = commands
+                 preload: tuple[str, ...], env: dict[str, str],
+                 held: list[tuple[list[str], dict[str, str]]] = ()):
+        self.commands = [*commands, *held]
+        self._fifos = [Path(tempfile.mkdtemp(prefix="xscale-held-")) / "release" for _ in held]
+        for fifo in self._fifos:
+            os.mkfifo(fifo)
+        self.released = 0  # how many of the held processes run
+        self.timed_out = False
         self._tool = subprocess.Popen([sys.executable, str(FORKED_RUNS), "--together", *preload],
                                       cwd=cwd, env=env, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self._tool.stdin.write(forked_runs_input(commands, cwd))
+        self._tool.stdin.write(forked_runs_input(self.commands, cwd, dict(
+            zip(range(len(commands), len(self.commands)), self._fifos, strict=True))))
         self._tool.stdin.close()
         self._tool.stdin = None  # written whole: communicate() below only reads
         first = self._tool.stdout.readline()
         if not first:
             raise AssertionError(f"forked_runs.py started no rank: {self._tool.stderr.read()}")
         self.pids: list[int] = json.loads(first)
+
+    def release(self, **added: str) -> int:
+        """Run the next held process with ADDED in its environment; its pid."""
+        with open(self._fifos[self.released], "w") as fifo:
+            fifo.write(json.dumps(added) + "\n")
+        self.released += 1
+        return self.pids[len(self.commands) - len(self._fifos) + self.released - 1]
 
     def all_running(self) -> bool:
         """Every rank still runs (forked_runs.py reaps each as it ends)."""
@@ -382,11 +406,15 @@ class ForkedRanks:
                 pass
 
     def results(self, timeout: float) -> list[subprocess.CompletedProcess[str]]:
-        """Each rank's exit status and output, once all have ended (killed after TIMEOUT)."""
+        """Each rank's exit status and output, once all have ended (killed after TIMEOUT, and
+        `timed_out` set)."""
         try:
             out, err = self._tool.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.timed_out = True
             self.kill()
             out, err = self._tool.communicate(timeout=60)
         assert self._tool.returncode == 0, err[-4000:]
+        for fifo in self._fifos:
+            shutil.rmtree(fifo.parent)
         return forked_runs_results(self.commands, out)

@@ -113,7 +113,7 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
     settings = CASES[case]
     form, accumulation = settings.get("FORM", "loop"), int(settings.get("ACCUMULATION", "1"))
     host_side = host_module("coordinator")
-    store, started, steps = hosted_store(3), {}, MICRO_BATCHES // accumulation
+    store, steps = hosted_store(3), MICRO_BATCHES // accumulation
 
     # A collective timeout longer than the test waits: a recovery that waited one out (a
     # broken group's destructor joining a thread still waiting on a survivor, 55 s before
@@ -125,17 +125,15 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
                           **settings, **extra)
 
     def replace(nodes: list[str], generation: int) -> list[str]:
-        started["replacement"] = subprocess.Popen(
-            [sys.executable, str(PROGRAM), str(tmp_path)],
-            env=env(2, "n3", XSCALE_RECOVERY_JOIN=str(generation)), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+        ranks.release(XSCALE_RECOVERY_JOIN=str(generation))
         return ["n3"]
 
     coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
     coordinator.start()
     ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)], env(rank, f"n{rank}"))
-                         for rank in range(3)], REPO, PRELOAD, INTERPRETER_ENV)
-    runs = lost_and_replaced(ranks, started, coordinator)
+                         for rank in range(3)], REPO, PRELOAD, INTERPRETER_ENV,
+                        held=[([str(PROGRAM), str(tmp_path)], env(2, "n3"))])
+    runs = lost_and_replaced(ranks, coordinator)
     records = results_of(runs)
     # The survivors trained from the start, the replacement from where the rank was lost;
     # all to the end, with the same parameters and optimizer state.
@@ -227,7 +225,7 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
     again XSCALE_MAX_RANK_RESTARTS times, and the next failure stops the launch with one line
     naming the rank, the step and the error's first line."""
     host_side = host_module("coordinator")
-    store, restarts, gave_up = hosted_store(3), [], []
+    store, gave_up = hosted_store(3), []
     steps = MICRO_BATCHES
 
     def env(rank: int, node: str, **extra: str) -> dict[str, str]:
@@ -236,33 +234,25 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
                           DIE_HOW="kill" if how == "killed-once" else "raise",
                           XSCALE_RECOVERY=coordinator.address, **extra)
 
-    def restart(ranks: list[int], generation: int) -> None:
-        assert ranks == [1], ranks
-        restarts.append(subprocess.Popen(
-            [sys.executable, str(PROGRAM), str(tmp_path)],
-            env=env(1, "n0", XSCALE_RECOVERY_JOIN=str(generation)), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
+    def restart(lost: list[int], generation: int) -> None:
+        assert lost == [1], lost
+        ranks.release(XSCALE_RECOVERY_JOIN=str(generation))
 
     coordinator = host_side.Coordinator(3, lambda nodes, generation: None, gave_up.append,
                                         heartbeat_s=30.0, restart=restart, max_rank_restarts=2)
     coordinator.start()
     ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)], env(rank, node))
                          for rank, node in enumerate(["n0", "n0", "n1"])], REPO, PRELOAD,
-                        INTERPRETER_ENV)
+                        INTERPRETER_ENV, held=[([str(PROGRAM), str(tmp_path)], env(1, "n0"))] * 2)
     try:
-        first = ranks.results(timeout=240)
-        ended = [proc.communicate(timeout=60) for proc in restarts]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of(restarts)}")
+        first, restarts = ended_in_time(ranks, 3)
     finally:
         coordinator.stop()
         ranks.kill()
-        for proc in restarts:
-            proc.kill()
     if how == "killed-once":
         assert (first[1].returncode, len(restarts), gave_up) == (-9, 1, []), first[0].stderr
-        records = results_of([(run.returncode, run.stdout, run.stderr) for run in
-                              (first[0], first[2])] + [(restarts[0].returncode, *ended[0])])
+        records = results_of([(run.returncode, run.stdout, run.stderr)
+                              for run in (first[0], first[2], restarts[0])])
         assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
             (0, 0, steps), (2, 0, steps), (1, DIE_AT, steps)], records
         assert len({r["digest"] for r in records}) == 1, records
@@ -276,40 +266,34 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
                        f"train step {DIE_AT + 1}"], gave_up
     assert [first[0].returncode, first[2].returncode] == [rank_link.FALLBACK_EXIT] * 2
     assert all(code not in (0, rank_link.FALLBACK_EXIT) for code in
-               [first[1].returncode, *(proc.returncode for proc in restarts)]), first[1].stderr
+               [first[1].returncode, *(run.returncode for run in restarts)]), first[1].stderr
     assert len(coordinator.saved()) == 2, coordinator.saved()
 
 
-def lost_and_replaced(ranks: ForkedRanks, started: dict[str, subprocess.Popen],
-                      coordinator) -> list[tuple[int, str, str]]:
-    """RANKS (three) to their ends, rank 2 killed, and the replacement the coordinator started
-    for it (STARTED["replacement"]) to its end: [(exit status, stdout, stderr)] of rank 0, rank
-    1 and the replacement. The coordinator is stopped and every process killed, whatever
-    happens."""
+def lost_and_replaced(ranks: ForkedRanks, coordinator) -> list[tuple[int, str, str]]:
+    """RANKS (three, and a held replacement) to their ends, rank 2 killed and the replacement
+    released by the coordinator: [(exit status, stdout, stderr)] of rank 0, rank 1 and the
+    replacement. The coordinator is stopped and every process killed, whatever happens."""
     try:
-        ended = ranks.results(timeout=240)
-        assert "replacement" in started, ended[0].stdout[-3000:]  # the coordinator fell back
-        out, err = started["replacement"].communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a rank hung; each rank's end:\n{outputs_of([*started.values()])}")
+        ended, replacements = ended_in_time(ranks, 3)
     finally:
         coordinator.stop()
         ranks.kill()
-        for proc in started.values():
-            proc.kill()
+    assert replacements, ended[0].stdout[-3000:]  # the coordinator fell back
     assert ended[2].returncode == -9, ended[2].stderr[-3000:]
-    return [(run.returncode, run.stdout, run.stderr) for run in ended[:2]] + [
-        (started["replacement"].returncode, out, err)]
+    return [(run.returncode, run.stdout, run.stderr) for run in (*ended[:2], replacements[0])]
 
 
-def outputs_of(procs: list[subprocess.Popen]) -> str:
-    """The last lines each of PROCS wrote, once killed: what a hung run's failure shows."""
-    tails = []
-    for proc in procs:
-        proc.kill()
-        out, err = proc.communicate()
-        tails.append(f"--- pid {proc.pid}, exit {proc.returncode}:\n{out[-1500:]}{err[-3000:]}")
-    return "\n".join(tails)
+def ended_in_time(ranks: ForkedRanks, launched: int) -> tuple[list[subprocess.CompletedProcess],
+                                                              list[subprocess.CompletedProcess]]:
+    """RANKS' results once all have ended: the LAUNCHED ranks', and those of the replacements
+    released. One that hangs fails the test with every process's last lines."""
+    ended = ranks.results(timeout=240)
+    if ranks.timed_out:
+        pytest.fail("a rank hung; each rank's end:\n" + "\n".join(
+            f"--- {index}, exit {run.returncode}:\n{run.stdout[-1500:]}{run.stderr[-3000:]}"
+            for index, run in enumerate(ended)))
+    return ended[:launched], ended[launched:launched + ranks.released]
 
 
 def hello(rank: int) -> bytes:
@@ -511,7 +495,7 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
     model, preload = SHARDED[kind]
     host_side = host_module("coordinator")
     # A store for each run: the live run would read the uninterrupted one's keys.
-    uninterrupted_store, live_store, started, steps = hosted_store(3), hosted_store(3), {}, 40
+    uninterrupted_store, live_store, steps = hosted_store(3), hosted_store(3), 40
 
     def env(rank: int, store, **extra: str) -> dict[str, str]:
         values = client_env(rank, 3, store, SLURMD_NODENAME=f"n{rank}", MAX_STEPS=str(steps),
@@ -521,11 +505,7 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
         return values
 
     def replace(nodes: list[str], generation: int) -> list[str]:
-        started["replacement"] = subprocess.Popen(
-            [sys.executable, str(PROGRAM), str(tmp_path / "live")],
-            env=env(2, live_store, XSCALE_RECOVERY=coordinator.address,
-                    XSCALE_RECOVERY_JOIN=str(generation)),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        ranks.release(XSCALE_RECOVERY_JOIN=str(generation))
         return ["n3"]
 
     uninterrupted = ForkedRanks([([str(PROGRAM), str(tmp_path / "uninterrupted")],
@@ -538,8 +518,10 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
     ranks = ForkedRanks([([str(PROGRAM), str(tmp_path / "live")],
                           env(rank, live_store, XSCALE_RECOVERY=coordinator.address,
                               DIE_AT="31", DIE_RANK="2", DIE_HOW="kill")) for rank in range(3)],
-                        REPO, (*PRELOAD, *preload), env(0, live_store))
-    runs = lost_and_replaced(ranks, started, coordinator)
+                        REPO, (*PRELOAD, *preload), env(0, live_store),
+                        held=[([str(PROGRAM), str(tmp_path / "live")],
+                               env(2, live_store, XSCALE_RECOVERY=coordinator.address))])
+    runs = lost_and_replaced(ranks, coordinator)
     records = results_of(runs)
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
         (0, 0, steps), (1, 0, steps), (2, 30, steps)], records

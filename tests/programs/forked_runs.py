@@ -10,9 +10,13 @@ seconds of `import torch`.
 With --together, every command line starts at once and the tool prints their process ids as
 the first line of its output, before it waits: the ranks of one job, which talk to each other
 and which a test may signal. The ranks of the host-only training tests pay `import torch` once so.
+A run with "held": FIFO is forked at once too, but runs only once the test writes a line there:
+a JSON object of variables to add to its environment (a replacement that the test's coordinator
+starts later, without paying `import torch` then). One never released is killed once every other
+run has ended (its exit status -9, no output).
 
 usage: forked_runs.py [--together] MODULE... < runs.json > results.json
-  runs.json: [{"argv": [SCRIPT, ARG...], "env": {NAME: VALUE}, "cwd": DIR}, ...]
+  runs.json: [{"argv": [SCRIPT, ARG...], "env": {NAME: VALUE}, "cwd": DIR[, "held": FIFO]}, ...]
   results.json: [{"returncode": N, "stdout": TEXT, "stderr": TEXT}, ...] in the same order
                 (with --together, after a line [PID, ...])
 """
@@ -23,6 +27,7 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import sys
 import tempfile
 import traceback
@@ -34,7 +39,14 @@ def start(run: dict, output: str) -> int:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        os._exit(run_as_main(run["argv"], run["env"], run["cwd"], f"{output}.stdout",
+        for stream in ("stdout", "stderr"):  # a run killed while held has empty ones
+            open(f"{output}.{stream}", "w").close()
+        env = run["env"]
+        if "held" in run:
+            with open(run["held"]) as fifo:  # blocks until the test opens it to write
+                env = {**env, **json.loads(fifo.readline())}
+            open(released(output), "w").close()
+        os._exit(run_as_main(run["argv"], env, run["cwd"], f"{output}.stdout",
                              f"{output}.stderr"))
     return pid
 
@@ -46,13 +58,24 @@ def result(status: int, output: str) -> dict:
                 "stderr": stderr.read()}
 
 
-def reap_all(pids: list[int]) -> dict[int, int]:
+def released(output: str) -> str:
+    """The file a held run makes once the test released it."""
+    return f"{output}.released"
+
+
+def reap_all(pids: list[int], held: dict[int, str]) -> dict[int, int]:
     """Each child's wait status, reaped as it ends, whatever the order: a rank that dies is gone
-    at once, as under srun, rather than a zombie that still answers kill(pid, 0)."""
+    at once, as under srun, rather than a zombie that still answers kill(pid, 0). Once every
+    child but the HELD ones (pid: output) has ended, those never released are killed: no
+    replacement is coming for them (a released one runs with the others: they wait for it)."""
     statuses: dict[int, int] = {}
     while len(statuses) < len(pids):
         pid, status = os.wait()
         statuses[pid] = status
+        if all(other in statuses for other in pids if other not in held):
+            for other, output in held.items():
+                if other not in statuses and not os.path.exists(released(output)):
+                    os.kill(other, signal.SIGKILL)
     return statuses
 
 
@@ -93,7 +116,9 @@ def main() -> int:
         if together:
             pids = [start(run, output) for run, output in runs_and_outputs]
             print(json.dumps(pids), flush=True)
-            statuses = reap_all(pids)
+            statuses = reap_all(pids, {pid: output for pid, (run, output)
+                                       in zip(pids, runs_and_outputs, strict=True)
+                                       if "held" in run})
             ended = [result(statuses[pid], output)
                      for pid, (_, output) in zip(pids, runs_and_outputs, strict=True)]
         else:  # one after another
