@@ -5,6 +5,7 @@ on a real gloo group (the library's tests)."""
 from __future__ import annotations
 
 import ast
+import errno
 import importlib
 import importlib.util
 import json
@@ -381,9 +382,21 @@ class ForkedRanks:
         self.pids: list[int] = json.loads(first)
 
     def release(self, **added: str) -> int:
-        """Run the next held process with ADDED in its environment; its pid."""
-        with open(self._fifos[self.released], "w") as fifo:
-            fifo.write(json.dumps(added) + "\n")
+        """Run the next held process with ADDED in its environment; its pid. It opens its FIFO
+        as it starts: one that never does (it died) fails the test instead of hanging it."""
+        fifo = self._fifos[self.released]
+
+        def opened() -> int | None:
+            try:  # the FIFO's reader, or ENXIO at once (a blocking open would wait for one)
+                return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as error:
+                if error.errno != errno.ENXIO:
+                    raise
+                return None
+
+        descriptor = wait_for(opened, 60, f"held process {fifo} to wait")
+        with os.fdopen(descriptor, "w") as writer:
+            writer.write(json.dumps(added) + "\n")
         self.released += 1
         return self.pids[len(self.commands) - len(self._fifos) + self.released - 1]
 

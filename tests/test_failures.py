@@ -518,10 +518,12 @@ def past_step(progress: Path, step: int) -> bool:
 
 def trainer_pids(job_id: str) -> dict[int, int]:
     """rank -> pid of each rank's trainer (its DataLoader workers, which inherit RANK, are its
-    children)."""
+    children). A process gone by the time its parent is read has none (0): a worker that just
+    ended, not a trainer, which a higher pid would put in its rank's place."""
     processes = job_processes(job_id)
     return {int(env["RANK"]): pid for pid, env in processes.items() if "RANK" in env
-            and processes.get(parent_pid(pid), {}).get("RANK") != env["RANK"]}
+            and (parent := parent_pid(pid)) and processes.get(parent, {}).get("RANK")
+            != env["RANK"]}
 
 
 def parent_pid(pid: int) -> int:
