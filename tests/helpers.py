@@ -332,12 +332,12 @@ def run_forked(commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
 
 
 def forked_runs_input(commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
-                      held: dict[int, Path] | None = None) -> str:
-    """forked_runs.py's runs.json for (ARGV, ENV) COMMANDS run in CWD; HELD: the FIFO of each
-    command (by index) that waits there to be released."""
+                      fifos: list[Path] = ()) -> str:
+    """forked_runs.py's runs.json for (ARGV, ENV) COMMANDS run in CWD; the last len(FIFOS)
+    wait each on its FIFO to be released."""
     runs = [{"argv": argv, "env": run_env, "cwd": str(cwd)} for argv, run_env in commands]
-    for index, fifo in (held or {}).items():
-        runs[index]["held"] = str(fifo)
+    for run, fifo in zip(runs[len(runs) - len(fifos):], fifos, strict=True):
+        run["held"] = str(fifo)
     return json.dumps(runs)
 
 
@@ -364,7 +364,9 @@ class ForkedRanks:
                  preload: tuple[str, ...], env: dict[str, str],
                  held: list[tuple[list[str], dict[str, str]]] = ()):
         self.commands = [*commands, *held]
-        self._fifos = [Path(tempfile.mkdtemp(prefix="xscale-held-")) / "release" for _ in held]
+        self.launched = len(commands)  # the ranks; the held processes follow them
+        self._folder = Path(tempfile.mkdtemp(prefix="xscale-held-"))
+        self._fifos = [self._folder / f"release-{index}" for index in range(len(held))]
         for fifo in self._fifos:
             os.mkfifo(fifo)
         self.released = 0  # how many of the held processes run
@@ -372,8 +374,7 @@ class ForkedRanks:
         self._tool = subprocess.Popen([sys.executable, str(FORKED_RUNS), "--together", *preload],
                                       cwd=cwd, env=env, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self._tool.stdin.write(forked_runs_input(self.commands, cwd, dict(
-            zip(range(len(commands), len(self.commands)), self._fifos, strict=True))))
+        self._tool.stdin.write(forked_runs_input(self.commands, cwd, self._fifos))
         self._tool.stdin.close()
         self._tool.stdin = None  # written whole: communicate() below only reads
         first = self._tool.stdout.readline()
@@ -381,8 +382,8 @@ class ForkedRanks:
             raise AssertionError(f"forked_runs.py started no rank: {self._tool.stderr.read()}")
         self.pids: list[int] = json.loads(first)
 
-    def release(self, **added: str) -> int:
-        """Run the next held process with ADDED in its environment; its pid. It opens its FIFO
+    def release(self, **added: str) -> None:
+        """Run the next held process with ADDED in its environment. It opens its FIFO
         as it starts: one that never does (it died) fails the test instead of hanging it."""
         fifo = self._fifos[self.released]
 
@@ -398,7 +399,6 @@ class ForkedRanks:
         with os.fdopen(descriptor, "w") as writer:
             writer.write(json.dumps(added) + "\n")
         self.released += 1
-        return self.pids[len(self.commands) - len(self._fifos) + self.released - 1]
 
     def all_running(self) -> bool:
         """Every rank still runs (forked_runs.py reaps each as it ends)."""
@@ -428,6 +428,5 @@ class ForkedRanks:
             self.kill()
             out, err = self._tool.communicate(timeout=60)
         assert self._tool.returncode == 0, err[-4000:]
-        for fifo in self._fifos:
-            shutil.rmtree(fifo.parent)
+        shutil.rmtree(self._folder)
         return forked_runs_results(self.commands, out)

@@ -245,7 +245,7 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
                          for rank, node in enumerate(["n0", "n0", "n1"])], REPO, PRELOAD,
                         INTERPRETER_ENV, held=[([str(PROGRAM), str(tmp_path)], env(1, "n0"))] * 2)
     try:
-        first, restarts = ended_in_time(ranks, 3)
+        first, restarts = ended_in_time(ranks)
     finally:
         coordinator.stop()
         ranks.kill()
@@ -275,7 +275,7 @@ def lost_and_replaced(ranks: ForkedRanks, coordinator) -> list[tuple[int, str, s
     released by the coordinator: [(exit status, stdout, stderr)] of rank 0, rank 1 and the
     replacement. The coordinator is stopped and every process killed, whatever happens."""
     try:
-        ended, replacements = ended_in_time(ranks, 3)
+        ended, replacements = ended_in_time(ranks)
     finally:
         coordinator.stop()
         ranks.kill()
@@ -284,16 +284,16 @@ def lost_and_replaced(ranks: ForkedRanks, coordinator) -> list[tuple[int, str, s
     return [(run.returncode, run.stdout, run.stderr) for run in (*ended[:2], replacements[0])]
 
 
-def ended_in_time(ranks: ForkedRanks, launched: int) -> tuple[list[subprocess.CompletedProcess],
-                                                              list[subprocess.CompletedProcess]]:
-    """RANKS' results once all have ended: the LAUNCHED ranks', and those of the replacements
-    released. One that hangs fails the test with every process's last lines."""
+def ended_in_time(ranks: ForkedRanks) -> tuple[list[subprocess.CompletedProcess],
+                                               list[subprocess.CompletedProcess]]:
+    """RANKS' results once all have ended: the ranks launched, and the replacements released.
+    One that hangs fails the test with every process's last lines."""
     ended = ranks.results(timeout=240)
     if ranks.timed_out:
         pytest.fail("a rank hung; each rank's end:\n" + "\n".join(
             f"--- {index}, exit {run.returncode}:\n{run.stdout[-1500:]}{run.stderr[-3000:]}"
             for index, run in enumerate(ended)))
-    return ended[:launched], ended[launched:launched + ranks.released]
+    return ended[:ranks.launched], ended[ranks.launched:ranks.launched + ranks.released]
 
 
 def hello(rank: int) -> bytes:
