@@ -29,19 +29,24 @@ def test_shards_cover_each_sample_exactly_once():
 
 
 def test_a_resumed_run_sees_the_batches_the_uninterrupted_run_would_have():
+    """The same batches, and the same numbers from torch's generator at each (a dropout mask):
+    the resumed run's new loader iterator draws nothing from it (xscale.data._iterate), so the
+    generator a checkpoint or a peer snapshot sets back serves it."""
     dataset = torch.utils.data.TensorDataset(torch.arange(40))
 
-    def batches(start: int, stop: int) -> list[tuple[int, int, list[int]]]:
+    def batches(start: int, stop: int) -> list[tuple[int, int, list[int], float]]:
         sampler = data.ResumableSampler(dataset, num_replicas=2, rank=1, seed=3)
         loader = data.make_loader(dataset, sampler, batch_size=4, workers=0,
                                   device=torch.device("cpu"), drop_last=True)
-        return [(step, epoch, batch[0].tolist()) for step, epoch, batch in
-                data.train_batches(loader, sampler, start_step=start, epochs=None,
-                                   max_steps=stop)]
+        return [(step, epoch, batch[0].tolist(), torch.rand(1).item())
+                for step, epoch, batch in data.train_batches(
+                    loader, sampler, start_step=start, epochs=None, max_steps=stop)]
 
+    torch.manual_seed(9)
     whole = batches(0, 12)
-    assert [step for step, _, _ in whole] == list(range(12))
-    assert [epoch for _, epoch, _ in whole] == [0] * 5 + [1] * 5 + [2] * 2
+    assert [step for step, _, _, _ in whole] == list(range(12))
+    assert [epoch for _, epoch, _, _ in whole] == [0] * 5 + [1] * 5 + [2] * 2
+    torch.manual_seed(9)
     assert batches(0, 7) + batches(7, 12) == whole
     assert whole[0][2] != whole[5][2]  # each epoch reshuffled
 

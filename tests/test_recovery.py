@@ -538,7 +538,8 @@ def test_a_peer_snapshot_comes_back_whole_or_not_at_all(corrupt: bool):
     auto, the first is taken 10 steps after the first step, and rank 0's decision is every
     rank's. Restored, the survivor (rank 0) has its own state of the snapshot's step back and the
     replacement (rank 1) the copy its buddy held, shard sizes and dtypes as they were, and both
-    go on from the source's place. One byte flipped in the held copy: its CRC-32 does not match,
+    go on from the source's place, each with its own random generators as they were then. One
+    byte flipped in the held copy: its CRC-32 does not match,
     and neither rank loads anything: both refuse with the same line."""
     store = hosted_store(2)
     address = f"tcp://127.0.0.1:{store.port}"
@@ -559,6 +560,8 @@ def test_a_peer_snapshot_comes_back_whole_or_not_at_all(corrupt: bool):
         [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 8, [0.5, 0.5, 0.5]]], records
     assert [r["place"] for r in records] == [[11, 0], [11, 0]], records
     assert [r["taken"] for r in records] == [[11], [11]], records
+    assert [r["drawn_again"] for r in records] == [r["drawn"] for r in records], records
+    assert records[0]["drawn"] != records[1]["drawn"], records  # each rank its own
     decided = re.search(r"XSCALE_SNAPSHOT_EVERY auto: every (\d+) steps", outcomes[0][1])
     assert decided and [r["every"] for r in records] == [int(decided[1])] * 2, outcomes[0][1]
 

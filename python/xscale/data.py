@@ -182,7 +182,7 @@ def train_batches(loader: DataLoader, sampler: ResumableSampler, *, start_step: 
     epoch = step // per_epoch
     while (epochs is None or epoch < epochs) and (max_steps is None or step < max_steps):
         sampler.set_position(epoch, (step - epoch * per_epoch) * accumulation * batch_size)
-        for index, batch in enumerate(loader):
+        for index, batch in enumerate(_iterate(loader)):
             if (max_steps is not None and step >= max_steps) or step >= (epoch + 1) * per_epoch:
                 break
             yield step, epoch, batch
@@ -191,6 +191,15 @@ def train_batches(loader: DataLoader, sampler: ResumableSampler, *, start_step: 
         if max_steps is not None and step >= max_steps:
             return
         epoch += 1
+
+
+def _iterate(loader: DataLoader) -> Iterator[Any]:
+    """LOADER's iterator, made without moving torch's default generator. Making one draws its
+    workers' base seed from there (the first only, under persistent workers), so a run that
+    makes one mid-epoch (a resume, a live recovery's rollback) would draw its dropout masks one
+    number later than an uninterrupted run; its generators, set again, would not serve it."""
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader)
 
 
 def last_step(per_epoch: int, epochs: int | None, max_steps: int | None) -> int | None:

@@ -4,7 +4,9 @@ live recovery's tests:
 MAX_STEPS steps of ACCUMULATION micro-batches each. With MODEL=fsdp the model is sharded by
 FSDP2 (fully_shard) instead, through xscale.Loop; with MODEL=deepspeed it is a DeepSpeed engine
 with ZeRO stage ZERO_STAGE (default 1; torch's Adam, fp32, an LR warm-up; DS_CONFIG: JSON merged
-into its config), the loop's model (FORM and EVALUATE_AT do not apply to it).
+into its config), the loop's model (FORM and EVALUATE_AT do not apply to it). Those two sharded
+models have a dropout layer, whose masks each rank draws from its own generator (seeded by
+rank): a rollback to a snapshot that did not set the generators back would draw others.
 
 - With DIE_HOW=raise, the rank in DIE_RANK raises (a bug) as it begins the step after DIE_AT,
   in every process of that rank, those started again included.
@@ -257,7 +259,10 @@ def main() -> None:
     inputs = torch.randn(4096, 32, generator=generator)
     data = TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
     torch.manual_seed(0)
-    layers = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1))
+    dropout = [nn.Dropout(0.2)] if SHARDED or DEEPSPEED else []
+    layers = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), *dropout,
+                           nn.Linear(64, 1))
+    torch.manual_seed(1000 + ctx.rank)  # the same weights everywhere, each rank's own masks
     if DEEPSPEED:
         engine = deepspeed_engine(layers)
         loader = xscale.loader(data, ctx, batch_size=16, workers=1)

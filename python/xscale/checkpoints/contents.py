@@ -3,7 +3,6 @@ every rank's random generators), its copy to host memory, and the resume from th
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -13,38 +12,9 @@ from torch import nn
 
 from xscale.checkpoints import every_rank
 from xscale.checkpoints.files import ranks_agree_on, read_newest, warn_unreadable
+from xscale.checkpoints.generators import rng_state, set_rng_state
 from xscale.dist import unwrap
 from xscale.reductions import all_gather_objects
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random generators (Python, torch CPU, and the current accelerator's)."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    accelerator = _accelerator_module()
-    if accelerator is not None and accelerator.is_initialized():
-        state["accelerator"] = accelerator.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_as_python_state(state["python"]))
-    torch.set_rng_state(state["torch"])
-    accelerator = _accelerator_module()
-    saved = state.get("accelerator")
-    if saved is not None and accelerator is not None:
-        accelerator.set_rng_state(saved)
-
-
-def _accelerator_module() -> Any:
-    """torch.cuda (CUDA and ROCm) or torch.xpu, whichever this process uses; None on CPUs."""
-    device = torch.accelerator.current_accelerator(check_available=True)
-    return None if device is None else torch.get_device_module(device)
-
-
-def _as_python_state(value: Any) -> tuple:
-    """random.setstate wants tuples; a round trip through the checkpoint may give lists."""
-    version, internal, gauss = value
-    return (version, tuple(internal), gauss)
 
 
 def gather_rng_states() -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xscale.checkpoints import contents, savers
+from xscale.checkpoints import contents, generators, savers
 from xscale.lifecycle import UserError
 
 TAG = re.compile(r"^global_step(\d+)$")
@@ -68,7 +68,7 @@ def load(engine: Any, output_dir: Path, rank: int) -> tuple[int, int] | None:
         return None
     streams = found.get("rng") or []
     if len(streams) == len(steps):
-        contents.set_rng_state(streams[rank])
+        generators.set_rng_state(streams[rank])
     return int(found["step"]), int(found.get("epoch", 0))
 
 

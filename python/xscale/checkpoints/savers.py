@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from xscale.checkpoints import every_rank
-from xscale.checkpoints.contents import host_copies, rng_state, training_state
+from xscale.checkpoints.contents import host_copies, training_state
 from xscale.checkpoints.files import checkpoint_path, prune, publish_directory, save
+from xscale.checkpoints.generators import rng_state
 from xscale.dist import is_sharded, unwrap
 from xscale.shared import settings
 

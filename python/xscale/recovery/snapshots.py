@@ -3,15 +3,16 @@ rank of another node, so that a lost node's parts come back without the disk (do
 "Peer snapshots").
 
 Every K steps each rank copies its state's tensors (its shard of the weights and of the
-optimizer's state, its buffers) into host memory, one flat byte buffer with a header (a magic,
-the step, the payload's size and CRC-32), and sends that copy to its *buddy*, the same local
-rank on the next node, whose copy of its own partner it receives in turn. Two slots alternate,
-so that a failure while one is being filled leaves the other whole. A live recovery then agrees
-on the newest step that every survivor holds and that every lost rank's buddy holds for it,
-hands each replacement its copy, checks every copy's CRC-32 and, if all match, has every rank
-load its copy in place: the survivors roll back to that step and the replacements take their
-part; at most K steps are redone. A copy that fails its checksum is never loaded: the recovery
-is not possible, with one line, and the launch falls back to its newest checkpoint.
+optimizer's state, its buffers) and its random generators (a model with dropout draws its masks
+from them; xscale.checkpoints.generators) into host memory, one flat byte buffer with a header
+(a magic, the step, the payload's size and CRC-32), and sends that copy to its *buddy*, the same
+local rank on the next node, whose copy of its own partner it receives in turn. Two slots
+alternate, so that a failure while one is being filled leaves the other whole. A live recovery
+then agrees on the newest step that every survivor holds and that every lost rank's buddy holds
+for it, hands each replacement its copy, checks every copy's CRC-32 and, if all match, has every
+rank load its copy in place: the survivors roll back to that step and the replacements take
+their part; at most K steps are redone. A copy that fails its checksum is never loaded: the
+recovery is not possible, with one line, and the launch falls back to its newest checkpoint.
 
 The copies travel on a gloo group of their own (host memory to host memory, whatever the
 training's backend), made again after every recovery. The step waits only for the copy to host
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xscale.checkpoints import cadence
+from xscale.checkpoints import cadence, generators
 from xscale.recovery import link as links
 from xscale.recovery.protocol import Place
 
@@ -169,7 +170,7 @@ class PeerSnapshots:
         broke meanwhile (a slot being filled is then incomplete, the other one whole). False:
         snapshots are off (too little host memory), none was taken."""
         self.finish()
-        tensors = self.state()
+        tensors = self._tensors()
         if self.group is None:
             self.group = dist.new_group(backend="gloo")
         if not self.sized and not self._size_slots(tensors):
@@ -245,7 +246,9 @@ class PeerSnapshots:
                 f"the snapshot of rank {next(r for r in bad if r is not None)} at step {step} "
                 "fails its checksum: it is not loaded, and the launch falls back to its newest "
                 "checkpoint")
-        _read(own, self.state())
+        streams = generators.generator_tensors()  # copies, read into and then set
+        _read(own, self.state() + streams)
+        generators.set_generators(streams)
         carried = [(self._slot(step).place, self.schedule) if self.rank == source else None]
         dist.broadcast_object_list(carried, source)
         self.sized = False  # the next snapshot gathers the sizes, the replacement's slots too
@@ -305,7 +308,12 @@ class PeerSnapshots:
         return next(slot for slot in self.slots if slot.held_step == step)
 
     def _size(self) -> int:
-        return HEADER.size + payload_bytes(self.state())
+        return HEADER.size + payload_bytes(self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """What a snapshot holds: the kind's state (the same tensors each time, loaded in place)
+        and this process's random generators, last."""
+        return self.state() + generators.generator_tensors()
 
 
 SHARE_OF_FREE = 0.5  # what snapshots may take of a node's free memory: the rest is for the
