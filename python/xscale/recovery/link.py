@@ -53,6 +53,7 @@ class Link:
         self.launch_rank, self.launch_world = rank, world_size
         self.socket = socket.create_connection((host, int(port)), timeout=30)
         self.socket.settimeout(None)
+        os.register_at_fork(after_in_child=self._leave_to_parent)
         self._send_lock = threading.Lock()
         self.broken = threading.Event()
         self.joined = threading.Event()
@@ -67,6 +68,14 @@ class Link:
         threading.Thread(target=self._listen, daemon=True, name="xscale-recovery").start()
         threading.Thread(target=self._beat, args=(max(heartbeat_s / 6, 0.2),), daemon=True,
                          name="xscale-heartbeat").start()
+
+    def _leave_to_parent(self) -> None:
+        """In a forked child (a DataLoader worker on the CPU): the connection is its parent's.
+        Kept open here, it would outlive the parent's death, which the coordinator learns from
+        its close (the worker notices the death only seconds later)."""
+        self.closed = True
+        # Not socket.close(): the listening thread's makefile() keeps the descriptor open.
+        os.close(self.socket.detach())
 
     def send(self, message: Any) -> None:
         try:
