@@ -165,54 +165,70 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
 
 def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_with_the_same_batch(
         tmp_path: Path, uninterrupted):
-    """Ranks 0, 1 and 2 on nodes n0, n1 and n2; n1 is lost and no spare is left. Ranks 0 and 2
+    """Ranks 0 and 2 on node n0, rank 1 on n1; n1 is lost and no spare is left. Ranks 0 and 2
     go on as a world of two (rank 2 is rank 1 there), and each step's three micro-batches are
     dealt over them, two to rank 0 and one to rank 1 (xscale.data.Share): every step trains
     the samples an uninterrupted run of three trains, none twice or skipped, and applies its
-    gradients; the two replicas stay equal to the end; the summary says when the world shrank
-    and keeps the global batch."""
+    gradients; the summary says when the world shrank and keeps the global batch. Then rank 2
+    is killed on its own (its node-mate lives): the coordinator starts it again on n0 by its
+    launch number, it joins as rank 1 of the two, takes its share, and the two replicas end
+    equal, every step with the uninterrupted run's gradients."""
     host_side = host_module("coordinator")
-    store = hosted_store(3)
-    env = {"MAX_STEPS": str(MICRO_BATCHES), "DIE_AT": str(DIE_AT), "DIE_RANK": "1",
-           "DIE_HOW": "kill", "XSCALE_TIMEOUT_S": "600"}
+    store, again_at, nodes = hosted_store(3), 50, ["n0", "n1", "n0"]
+
+    def env(rank: int, **extra: str) -> dict[str, str]:
+        return client_env(rank, 3, store, SLURMD_NODENAME=nodes[rank], MAX_STEPS=str(MICRO_BATCHES),
+                          DIE_AT=str(DIE_AT), DIE_RANK="1", DIE_HOW="kill",
+                          THEN_DIE=f"2@{again_at}", XSCALE_TIMEOUT_S="600",
+                          XSCALE_RECOVERY=coordinator.address, **extra)
+
+    def restart(lost: list[int], generation: int) -> None:
+        assert lost == [2], lost  # the launch's number: where it runs
+        ranks.release(XSCALE_RECOVERY_JOIN=str(generation))
+
     coordinator = host_side.Coordinator(3, lambda nodes, generation: None, lambda why: None,
-                                        heartbeat_s=30.0, min_nodes=2)
+                                        heartbeat_s=30.0, restart=restart, max_rank_restarts=1,
+                                        min_nodes=1)
     coordinator.start()
-    ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)],
-                          client_env(rank, 3, store, SLURMD_NODENAME=f"n{rank}",
-                                     XSCALE_RECOVERY=coordinator.address, **env))
-                         for rank in range(3)], REPO, PRELOAD, INTERPRETER_ENV)
+    ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)], env(rank)) for rank in range(3)],
+                        REPO, PRELOAD, INTERPRETER_ENV,
+                        held=[([str(PROGRAM), str(tmp_path)], env(2))])
     try:
-        ended = ranks.results(timeout=240)
+        ended, restarts = ended_in_time(ranks)
     finally:
         coordinator.stop()
         ranks.kill()
-    assert ended[1].returncode == -9, ended[1].stderr[-3000:]
-    runs = [(run.returncode, run.stdout, run.stderr) for run in (ended[0], ended[2])]
+    assert [run.returncode for run in ended[1:]] == [-9, -9], ended[0].stderr[-3000:]
+    assert len(restarts) == 1, ended[0].stdout[-3000:]
+    runs = [(run.returncode, run.stdout, run.stderr) for run in (ended[0], restarts[0])]
     records = results_of(runs)
-    assert [(r["rank"], r["steps"]) for r in records] == [(0, MICRO_BATCHES), (2, MICRO_BATCHES)]
+    assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
+        (0, 0, MICRO_BATCHES), (2, again_at, MICRO_BATCHES)], records
+    assert records[0]["pid"] == ranks.pids[0], records
     assert records[0]["digest"] == records[1]["digest"], records
     # Each step after the loss: rank 0 trained the launch's ranks 0 and 2's batches, rank 2
-    # (rank 1 now) rank 1's; and applied the uninterrupted run's gradients.
+    # (rank 1 now, the process started again after again_at) rank 1's; and applied the
+    # uninterrupted run's gradients.
     expected = [expected_batches(rank, 1) for rank in range(3)]
     reference = uninterrupted("loop", MICRO_BATCHES, 1)
     for step in range(DIE_AT + 1, MICRO_BATCHES + 1):
         trained = sorted(records[0]["trained"].get(f"{step}.{micro}") for micro in (0, 1))
-        trained = [*trained, records[1]["trained"].get(f"{step}.0")]
-        assert trained[:2] == sorted([expected[0][f"{step}.0"], expected[2][f"{step}.0"]]), step
-        assert trained[2] == expected[1][f"{step}.0"], step
-        assert f"{step}.1" not in records[1]["trained"], step
+        assert trained == sorted([expected[0][f"{step}.0"], expected[2][f"{step}.0"]]), step
+        if step > again_at:
+            assert records[1]["trained"][f"{step}.0"] == expected[1][f"{step}.0"], step
+            assert f"{step}.1" not in records[1]["trained"], step
         assert records[0]["gradients"][str(step)] == pytest.approx(reference[str(step)],
                                                                    rel=1e-3), step
-    (entry,) = coordinator.saved()
-    assert (entry["lost"], entry["spares"], entry["world_size"]) == (["n1"], [], 2), entry
+    shrunk, restarted = coordinator.saved()
+    assert (shrunk["lost"], shrunk["spares"], shrunk["world_size"]) == (["n1"], [], 2), shrunk
+    assert (restarted["lost"], restarted["restarted"]) == ([], [2]), restarted
     said = runs[0][1] + runs[0][2]
-    assert "training goes on as 2 ranks on 2 nodes, each step's 48 samples dealt over them " \
+    assert "training goes on as 2 ranks on 1 node, each step's 48 samples dealt over them " \
         "(2 micro-batches on rank 0)" in said, said[-3000:]
     (summary,) = tagged_records(runs[0][1], "XSCALE_SUMMARY")
     assert (summary["world_size"], summary["global_batch_size"]) == (2, 48), summary
     (shrink,) = summary["shrinks"]
-    assert (shrink["step"], shrink["world_size"], shrink["nodes"]) == (DIE_AT, 2, 2), summary
+    assert (shrink["step"], shrink["world_size"], shrink["nodes"]) == (DIE_AT, 2, 1), summary
     assert coordinator.finished(wait_s=5.0)
 
 

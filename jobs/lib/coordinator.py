@@ -101,10 +101,11 @@ class Handler(socketserver.StreamRequestHandler):
 class Coordinator:
     """WORLD_SIZE ranks. replace(nodes, generation): launch the ranks of NODES on spares, into
     GENERATION; the spares, or None when none are left. restart(ranks, generation): start RANKS
-    again on their own nodes, into GENERATION; None, or why not. give_up(why): end the launch
-    (the fallback). heartbeat_s: how long a rank may be silent. max_rank_restarts: how often one
-    rank may fail on its own at one step and start again. min_nodes: the fewest nodes a
-    smaller world may train on when no spare is left (0: none is formed)."""
+    (as the launch numbered them) again on their own nodes, into GENERATION; None, or why not.
+    give_up(why): end the launch (the fallback). heartbeat_s: how long a rank may be silent.
+    max_rank_restarts: how often one rank may fail on its own at one step and start again.
+    min_nodes: the fewest nodes a smaller world may train on when no spare is left (0: none is
+    formed)."""
 
     def __init__(self, world_size, replace, give_up, heartbeat_s, restart=None,
                  max_rank_restarts=0, now=time.monotonic, min_nodes=0):
@@ -161,11 +162,15 @@ class Coordinator:
             self._closed(peer)
 
     def _hello(self, connection, hello):
-        peer = Peer(connection, int(hello.rank), str(hello.node), hello.pid,
-                    int(hello.generation), self.now())
+        launch_rank = int(hello.rank)  # a rank knows itself by the launch's number
         with self.changed:
+            if self.layout is not None and launch_rank not in self.layout:
+                return None  # of a node the smaller world went on without: no rank of it
+            rank = launch_rank if self.layout is None else self.layout.index(launch_rank)
+            peer = Peer(connection, rank, str(hello.node), hello.pid, int(hello.generation),
+                        self.now())
             self.peers[peer.rank] = peer  # a replacement takes its rank's place
-            self.met.add(peer.rank)
+            self.met.add(launch_rank)
             join = self.join
             self.changed.notify_all()
         if join is not None and peer.generation == join.generation:
@@ -261,16 +266,12 @@ class Coordinator:
         on_their_own = self._on_their_own(survivors, lost)
         lost_nodes = sorted({peer.node for peer in lost if peer not in on_their_own})
         self.losing = lost_nodes
-        restarted = sorted(peer.rank for peer in on_their_own)
+        restarted = sorted(self._launch_rank(peer.rank) for peer in on_their_own)
         refusal = self._restart_refusal(on_their_own, survivors[0].left_step)
         if refusal:
             self.fall_back(refusal)
             return
-        if restarted and self.layout is not None:
-            self.fall_back("%s failed on its own in a smaller world, where no rank is started "
-                           "again" % on_their_own[0])
-            return
-        lost_ranks = sorted(peer.rank for peer in lost)
+        lost_ranks = sorted(self._launch_rank(peer.rank) for peer in lost)
         spares = (self.replace(lost_nodes, generation + 1) or []) if lost_nodes else []
         before = None
         if lost_nodes and not spares:
@@ -300,10 +301,8 @@ class Coordinator:
             record["world_size"] = self.world_size
         with self.changed:
             self.recoveries.append(record)
-        change = what_changed(spares, lost_nodes, restarted) if before is None else (
-            "%d ranks on %d nodes go on without %s (ranks %s before)"
-            % (self.world_size, len({peer.node for peer in survivors}),
-               hostlist.compress(lost_nodes), ",".join(str(rank) for rank in before)))
+        change = what_changed(spares, lost_nodes, restarted) if before is None else \
+            went_smaller(survivors, lost_nodes, before)
         say("live recovery: %s; the group re-formed %.1f s after the failure was noticed "
             "(generation %d)" % (change, joined - noticed, generation + 1))
 
@@ -365,7 +364,7 @@ class Coordinator:
             return ("%s failed on its own while its node's other ranks live on "
                     "(XSCALE_MAX_RANK_RESTARTS=0: no rank is started again)" % first)
         for peer in on_their_own:
-            tries = self.own_failures.setdefault((peer.rank, step), [])
+            tries = self.own_failures.setdefault((self._launch_rank(peer.rank), step), [])
             tries.append(peer.failed or "its process ended")
             if len(tries) > self.max_rank_restarts:
                 return ("%s failed %d times at step %s (XSCALE_MAX_RANK_RESTARTS=%d): a bug, "
@@ -404,6 +403,10 @@ class Coordinator:
             self.world_size = len(survivors)
             self.changed.notify_all()
         return before
+
+    def _launch_rank(self, rank):
+        """RANK as the launch numbered it (the same, unless the world shrank)."""
+        return rank if self.layout is None else self.layout[rank]
 
     def _not_live(self):
         """Why the ranks' training cannot be recovered live, or None: every rank must be in a
@@ -480,6 +483,15 @@ def newer(path, than):
         return os.stat(path).st_mtime >= os.stat(than).st_mtime
     except OSError:
         return False
+
+
+def went_smaller(survivors, lost_nodes, before):
+    """What a shrink changed, for the job's output: the SURVIVORS go on without LOST_NODES, and
+    were the ranks numbered BEFORE."""
+    nodes = len({peer.node for peer in survivors})
+    return "%d ranks on %d node%s go on without %s (ranks %s before)" % (
+        len(survivors), nodes, "" if nodes == 1 else "s", hostlist.compress(lost_nodes),
+        ",".join(str(rank) for rank in before))
 
 
 def what_changed(spares, lost_nodes, restarted):

@@ -427,6 +427,11 @@ class Loop:
         # too (Saver.regroup), and the collectives meet.
         self.scheduler, self.scaler = scheduler, scaler  # handed over with the position
         received = self.live.receive() if joining else None
+        if received is not None and dist.get_world_size() != ctx.world_size:
+            # Started again in a smaller world (its own failure, after a shrink): the number
+            # the coordinator gave it there, and its share of each step.
+            self._take_world(dist.get_rank(), dist.get_world_size(), received.nnodes)
+            ctx = self.ctx
         self.saver, resumed = _saver_and_resume(ctx, model, optimizer, scaler, scheduler, config,
                                                 config.resume and not joining)
         self.start_step = self.step = resumed or 0
@@ -453,6 +458,7 @@ class Loop:
         self.window = profile_window.window_from_env(ctx.rank, ctx.device)
         self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
                                            say=self.log.message)
+        self.stragglers.micro_batches = self.micro_batches  # more than another's, in a share
         self.shrinks: list[dict[str, Any]] = []  # each smaller world the run went on in
         self._script_reads: set[str] = set()  # which of boundary, sync_gradients
         if resumed is not None:
@@ -685,7 +691,8 @@ class Loop:
         if dist.get_world_size() != self.ctx.world_size:
             self._go_on_smaller()
         else:
-            self.stragglers.restart(gather_to_rank0(contract.node_name()))  # a node changed
+            self.stragglers.restart(gather_to_rank0(contract.node_name()),  # a node changed
+                                    micro_batches=self.micro_batches)
         self.message(f"{self.prog}: live recovery: training goes on at step {self.step}, "
                      f"{recovered.seconds:.1f} s after this rank left the broken group (the "
                      f"state's transfer: {recovered.handover_s:.2f} s)")
@@ -697,16 +704,23 @@ class Loop:
         rank, world = dist.get_rank(), dist.get_world_size()
         nodes: list[str] = [""] * world
         dist.all_gather_object(nodes, contract.node_name())
-        self.ctx = replace(self.ctx, rank=rank, world_size=world, nnodes=len(set(nodes)))
-        self.sampler.share = data.Share.dealt(self.sampler.num_replicas, self.accumulation,
-                                              self.batch_size, rank, world)
-        self.tally.clock.world_size = world
+        self._take_world(rank, world, len(set(nodes)))
         self.stragglers.restart(nodes, rank, world, self.micro_batches)
         self.shrinks.append({"step": self.step, "world_size": world, "nodes": self.ctx.nnodes,
                              "since": time.perf_counter()})
+        nodes_left = f"{self.ctx.nnodes} node{'s' if self.ctx.nnodes != 1 else ''}"
         self.message(f"{self.prog}: no spare node was left: training goes on as {world} ranks "
-                     f"on {self.ctx.nnodes} nodes, each step's {self._global_batch} samples "
+                     f"on {nodes_left}, each step's {self._global_batch} samples "
                      f"dealt over them ({self.micro_batches} micro-batches on rank 0)")
+
+    def _take_world(self, rank: int, world: int, nnodes: int) -> None:
+        """Train on as RANK of WORLD ranks on NNODES nodes, with this rank's share of each
+        step's global batch (the launch's ranks laid it out; the script's sampler keeps that
+        layout)."""
+        self.ctx = replace(self.ctx, rank=rank, world_size=world, nnodes=nnodes)
+        self.sampler.share = data.Share.dealt(self.sampler.num_replicas, self.accumulation,
+                                              self.batch_size, rank, world)
+        self.tally.clock.world_size = world
 
     @property
     def _global_batch(self) -> int:
@@ -719,7 +733,7 @@ class Loop:
             step=self.step, log_from=self.log.start_step, saved_step=self.saved_step,
             saved_path=None if self.saved_path is None else str(self.saved_path),
             checkpoint_every=self.checkpoint_every, auto_every=self.auto_every,
-            scheduler=self._schedules[0], scaler=self._schedules[1])
+            scheduler=self._schedules[0], scaler=self._schedules[1], nnodes=self.ctx.nnodes)
 
     def _take_position(self, position: Position) -> None:
         """Go on from POSITION, the source rank's: its step (the model is the source's), so

@@ -15,6 +15,8 @@ rank): a rollback to a snapshot that did not set the generators back would draw 
   DIE_MICRO micro-batches into the step after it; or, with DIE_MICRO=-1, after its optimizer
   step of DIE_AT but before recording it, so that the others meet its loss in the step's
   checkpoint (every CHECKPOINT_EVERY steps; none by default).
+- With THEN_DIE=RANK@STEP, that rank dies too (as DIE_HOW says) when its step STEP is
+  recorded: a second failure, later in the run.
 - The rank in HOLD_RANK waits after its optimizer step of DIE_AT until the group is known
   broken, so that it recovers a step behind the others (as a survivor does whose ring
   all-reduce ended later than another's).
@@ -50,6 +52,7 @@ REPLACEMENT = "XSCALE_RECOVERY_JOIN" in os.environ  # it does not die again
 DIE_HOW = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP,
            "raise": None}[os.environ.get("DIE_HOW", "kill")]
 DIE_MICRO = int(os.environ.get("DIE_MICRO", "0"))
+THEN_DIE = os.environ.get("THEN_DIE", "")  # RANK@STEP
 HOLD_RANK = int(os.environ.get("HOLD_RANK", "-1"))
 ACCUMULATION = int(os.environ.get("ACCUMULATION", "1"))
 PREPARED = os.environ.get("FORM", "loop") == "prepared"
@@ -117,6 +120,8 @@ class Watch:
     def dies_now(self, rank: int, micro: int) -> bool:
         """Whether this rank dies now: after recording MICRO micro-batches of the step after
         DIE_AT (0: as DIE_AT ends), or with MICRO -1 after DIE_AT's optimizer step."""
+        if micro == 0 and not REPLACEMENT and THEN_DIE == f"{rank}@{self.loop.step}":
+            return True
         return (DIE_HOW is not None and rank == DIE_RANK and micro == DIE_MICRO
                 and not REPLACEMENT
                 and self.loop.step == (DIE_AT - 1 if micro == -1 else DIE_AT))

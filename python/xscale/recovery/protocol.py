@@ -26,9 +26,11 @@ class Place(Protocol):
 class Position:
     """Where a loop is, as the source rank sends it after a recovery: the optimizer steps done
     (the place in the epoch follows from it), the step its log and vote intervals count from,
-    its newest checkpoint and its checkpoint interval (auto_every: not yet decided), and the
+    its newest checkpoint and its checkpoint interval (auto_every: not yet decided), the
     state dicts of its LR scheduler and GradScaler (None: the loop has none), which the script
-    steps with the optimizer: a replacement's start at step 0, a rollback's at the later step."""
+    steps with the optimizer: a replacement's start at step 0, a rollback's at the later step;
+    and the nodes the world trains on (fewer than the launch's after a shrink: a rank started
+    again there takes the number)."""
 
     step: int
     log_from: int
@@ -38,6 +40,7 @@ class Position:
     auto_every: bool
     scheduler: dict | None = None
     scaler: dict | None = None
+    nnodes: int | None = None
 
 
 class StateSize(NamedTuple):
