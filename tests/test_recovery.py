@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -495,20 +496,33 @@ SHARDED = {
 }
 
 
-@pytest.mark.parametrize("kind", list(SHARDED))
+# How rank 2 is lost (live_ranks.py's settings), and the step every rank goes on from:
+# - killed as step 31 ends: the snapshots of step 30 are whole everywhere;
+# - frozen after its update of step 30, before it took that step's snapshot: its buddy (rank 0)
+#   waits in the exchange for a copy that never comes, until the coordinator hears the silence
+#   (XSCALE_HEARTBEAT_S) and aborts it; the copy rank 0 holds for it is step 20's.
+FAULTS = {
+    "killed": ({"DIE_AT": "31", "DIE_HOW": "kill"}, 30),
+    "frozen-in-an-exchange": ({"DIE_AT": "30", "DIE_MICRO": "-1", "DIE_HOW": "stop"}, 20),
+}
+
+
+@pytest.mark.parametrize("kind, fault", [(kind, "killed") for kind in SHARDED]
+                         + [("fsdp", "frozen-in-an-exchange")])
 def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path: Path,
-                                                                        kind: str):
+                                                                        kind: str, fault: str):
     """FSDP2, or a DeepSpeed engine with ZeRO stage 1 or 2, as the loop's model (live_ranks.py),
-    three ranks on three nodes, a peer snapshot every 10 steps: rank 2 is killed as step 31
-    ends. Its shard (FSDP2's of the weights and the optimizer's state, ZeRO's fp32 partition
-    and its optimizer state) is held by no other rank but in its buddy's snapshot (rank 0's,
-    the same local rank on the next node): the replacement takes it from there, the survivors
-    keep their processes and roll back in place to step 30 (ZeRO's counters and LR warm-up with
-    them), and the run ends with the model and optimizer state an uninterrupted run ends with,
-    whole on every rank. No checkpoint is read (there is none)."""
+    three ranks on three nodes, a peer snapshot every 10 steps: rank 2 is lost (FAULTS). Its
+    shard (FSDP2's of the weights and the optimizer's state, ZeRO's fp32 partition and its
+    optimizer state) is held by no other rank but in its buddy's snapshot (rank 0's, the same
+    local rank on the next node): the replacement takes it from there, the survivors keep their
+    processes and roll back in place to the newest step whose snapshot every rank holds (ZeRO's
+    counters and LR warm-up with them), and the run ends with the model and optimizer state an
+    uninterrupted run ends with, whole on every rank. No checkpoint is read (there is none)."""
     from tests.conftest import torch_extensions  # DeepSpeed's CPU op, built once
 
     model, preload = SHARDED[kind]
+    loss, back_to = FAULTS[fault]
     host_side = host_module("coordinator")
     # A store for each run: the live run would read the uninterrupted one's keys.
     uninterrupted_store, live_store, steps = hosted_store(3), hosted_store(3), 40
@@ -516,11 +530,14 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
     def env(rank: int, store, **extra: str) -> dict[str, str]:
         values = client_env(rank, 3, store, SLURMD_NODENAME=f"n{rank}", MAX_STEPS=str(steps),
                             XSCALE_SNAPSHOT_EVERY="10", DS_ACCELERATOR="cpu",
-                            TORCH_EXTENSIONS_DIR=str(torch_extensions()), **model, **extra)
+                            TORCH_EXTENSIONS_DIR=str(torch_extensions()), XSCALE_HEARTBEAT_S="6",
+                            **model, **extra)
         values.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank), NNODES="3")
         return values
 
     def replace(nodes: list[str], generation: int) -> list[str]:
+        if loss["DIE_HOW"] == "stop":
+            os.kill(ranks.pids[2], signal.SIGKILL)  # a frozen node's processes stay lost
         ranks.release(XSCALE_RECOVERY_JOIN=str(generation))
         return ["n3"]
 
@@ -529,20 +546,20 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
                                 REPO, (*PRELOAD, *preload), env(0, uninterrupted_store))
     reference = results_of([(run.returncode, run.stdout, run.stderr)
                             for run in uninterrupted.results(timeout=120)])
-    coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=30.0)
+    coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=6.0)
     coordinator.start()
     ranks = ForkedRanks([([str(PROGRAM), str(tmp_path / "live")],
                           env(rank, live_store, XSCALE_RECOVERY=coordinator.address,
-                              DIE_AT="31", DIE_RANK="2", DIE_HOW="kill")) for rank in range(3)],
+                              DIE_RANK="2", **loss)) for rank in range(3)],
                         REPO, (*PRELOAD, *preload), env(0, live_store),
                         held=[([str(PROGRAM), str(tmp_path / "live")],
                                env(2, live_store, XSCALE_RECOVERY=coordinator.address))])
     runs = lost_and_replaced(ranks, coordinator)
     records = results_of(runs)
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
-        (0, 0, steps), (1, 0, steps), (2, 30, steps)], records
+        (0, 0, steps), (1, 0, steps), (2, back_to, steps)], records
     assert [r["pid"] for r in records[:2]] == ranks.pids[:2], records
-    assert "training goes on at step 30" in runs[0][1] + runs[0][2], runs[0]
+    assert f"training goes on at step {back_to}" in runs[0][1] + runs[0][2], runs[0]
     assert len({r["digest"] for r in records}) == 1, records
     assert records[0]["digest"] == pytest.approx(reference[0]["digest"], rel=1e-9), reference
     assert coordinator.finished(wait_s=5.0)
@@ -580,6 +597,30 @@ def test_a_peer_snapshot_comes_back_whole_or_not_at_all(corrupt: bool):
     assert records[0]["drawn"] != records[1]["drawn"], records  # each rank its own
     decided = re.search(r"XSCALE_SNAPSHOT_EVERY auto: every (\d+) steps", outcomes[0][1])
     assert decided and [r["every"] for r in records] == [int(decided[1])] * 2, outcomes[0][1]
+
+
+def test_the_step_rolled_back_to_is_one_whose_snapshot_every_rank_has_whole():
+    """Four ranks on four nodes; what each says it holds after a failure: its own copies' steps
+    and those of its partner's copies it received whole. The step loaded is the newest that
+    every survivor holds its own copy of and every replacement's buddy holds its copy of: an
+    exchange cut short (rank 2's copy of step 30 never reached rank 3) leaves step 20. A rank
+    lost with its buddy, or no step in common, serves no recovery: the line says which."""
+    from xscale.recovery import snapshots
+
+    peer = snapshots.PeerSnapshots(list, rank=0, world_size=4, per_node=1, every=10)
+    whole, replacement = {"own": [20, 30], "held": [20, 30]}, {"own": [], "held": []}
+    inventories = [(False, whole), (False, whole), (True, replacement),
+                   (False, {"own": [20, 30], "held": [20]})]
+    assert peer._agreed_step(inventories) == 20
+    inventories[3] = (True, replacement)
+    with pytest.raises(snapshots.SnapshotUnusable, match="rank 2 and rank 3, which held its "
+                       "snapshot, were lost together: its part of the state is gone"):
+        peer._agreed_step(inventories)
+    inventories = [(False, {"own": [30], "held": [30]}), (False, {"own": [40], "held": [40]}),
+                   (False, whole), (False, whole)]
+    with pytest.raises(snapshots.SnapshotUnusable, match="no snapshot step that every rank "
+                       "holds"):
+        peer._agreed_step(inventories)
 
 
 def test_snapshots_that_would_take_over_half_a_nodes_free_memory_are_turned_off(tmp_path: Path):
