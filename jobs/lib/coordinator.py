@@ -70,6 +70,7 @@ class Peer:
         self.left = self.joined = None  # the generation it last left, and joined
         self.left_step = None  # the optimizer steps it had done when it left
         self.timed_out = False  # its collective timed out: a peer never came
+        self.store = None  # the address of the store it hosts for the group being formed
         self.send_lock = threading.Lock()
 
     def send(self, message):
@@ -422,11 +423,16 @@ class Coordinator:
         return None
 
     def _host_store(self, host, generation):
+        """The address of the store HOST makes for GENERATION's group; None if none came. One
+        it made for an earlier group is not this one: the rank closes it as it makes the new
+        one, and a Join naming it would send the ranks to a store that is going away."""
+        with self.changed:
+            host.store = None
         host.send(contract.HostStore(generation=generation))
         with self.changed:
-            self.changed.wait_for(lambda: getattr(host, "store", None) is not None
-                                  or host.closed, timeout=STORE_TIMEOUT_S)
-            return getattr(host, "store", None)
+            self.changed.wait_for(lambda: host.store is not None or host.closed,
+                                  timeout=STORE_TIMEOUT_S)
+            return host.store
 
     def _form(self, generation, store, source, started):
         """Join for GENERATION to every rank of it; when all have joined, or None (a fallback)."""
