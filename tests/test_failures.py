@@ -549,10 +549,12 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
     """XSCALE_SPARES=1: 3 x 2 ranks on four nodes, the fourth waiting. The first crash, between
     two checkpoints: the four healthy ranks keep their processes, the spare takes the lost
     node's two ranks, and training goes on from where it was, in the same launch, nothing
-    redone (live recovery, jobs/lib/coordinator.py). The second crash finds no spare: the four
-    ranks left go on as a world of 2 x 2 in the same launch (XSCALE_MIN_NODES defaults to one
-    of three nodes), each step's global batch dealt over them, and the job completes. The data
-    order and the gradients of such a step are checked in tests/test_recovery.py."""
+    redone (live recovery, jobs/lib/coordinator.py). The second crash, of the spare, finds no
+    spare: the four ranks left (0, 1, 4, 5) go on as a world of 2 x 2 in the same launch
+    (XSCALE_MIN_NODES defaults to one of three nodes), renumbered 0-3, each step's global batch
+    dealt over them. Then rank 5 (rank 3 of the four) is killed on its own: it starts again on
+    its node as rank 5 of the launch and joins as rank 3, and the job completes. The data
+    order and the gradients of such steps are checked in tests/test_recovery.py."""
     job_id, out_dir, output = submit_with_a_spare(cluster, mnist_data, tmp_path,
                                                   MAX_STEPS=str(SHRUNK_STEPS))
     progress = out_dir / "xscale-records" / "attempt0-launch1.progress"
@@ -569,24 +571,33 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
         # Training after the recovery, to a checkpoint: the second crash throws none of it away.
         wait_for(lambda: saved_past(progress, resumed), 120, "a checkpoint after the recovery")
         after = trainer_pids(job_id)
-        crash(nodes[2])
+        crash(nodes[3])
         wait_for(lambda: "go on without" in output.read_text(), 120, "the smaller world")
         shrunk = trainer_pids(job_id)
+        os.kill(shrunk[5], signal.SIGKILL)
+        wait_for(lambda: "rank 5 started again on its node" in output.read_text(), 120,
+                 "the rank started again in the smaller world")
+        restarted = trainer_pids(job_id)
         state = cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300)
     text = output.read_text()
     assert state == "COMPLETED", text[-4000:]
     assert f"xscale: live recovery: {nodes[3]} in place of {nodes[1]}" in text, text[-4000:]
     # The ranks of the healthy nodes are the same processes; the lost node's ranks (2, 3) are
-    # new ones, on the spare. After the second crash, ranks 0, 1, 2 and 3 (the spare's) train
-    # on in the same processes, as ranks 0-3 of four.
+    # new ones, on the spare. After the second crash, ranks 0, 1, 4 and 5 train on in the same
+    # processes, as ranks 0-3 of four; after the kill, rank 5's is a new one on its node, the
+    # others are the same.
     kept = {rank: pid for rank, pid in before.items() if rank not in (2, 3)}
     assert len(kept) == 4 and all(after[rank] == pid for rank, pid in kept.items()), \
         (before, after)
     assert {2, 3} <= set(after) and not {after[2], after[3]} & {before[2], before[3]}
-    assert {rank: shrunk[rank] for rank in (0, 1, 2, 3)} == \
-        {rank: after[rank] for rank in (0, 1, 2, 3)}, (after, shrunk)
-    assert f"xscale: live recovery: 4 ranks on 2 nodes go on without {nodes[2]} (ranks " \
-        "0,1,2,3 before)" in text, text[-4000:]
+    assert {rank: shrunk[rank] for rank in (0, 1, 4, 5)} == \
+        {rank: after[rank] for rank in (0, 1, 4, 5)}, (after, shrunk)
+    assert {rank: restarted[rank] for rank in (0, 1, 4)} == \
+        {rank: shrunk[rank] for rank in (0, 1, 4)} and restarted[5] != shrunk[5], \
+        (shrunk, restarted)
+    assert f"xscale: live recovery: 4 ranks on 2 nodes go on without {nodes[3]} (ranks " \
+        "0,1,4,5 before)" in text, text[-4000:]
+    assert f"xscale: live recovery: rank 5 starts again on {nodes[2]}, its node" in text
     # One launch throughout, its steps in order: none redone.
     events = [json.loads(line) for line in progress.read_text().splitlines()
               if line.endswith("}")]
@@ -594,9 +605,10 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
     assert steps == sorted(set(steps)) and steps[-1] == SHRUNK_STEPS, steps
     launches = json.loads((out_dir / "xscale-records" / "attempt0.json").read_text())["launches"]
     assert len(launches) == 1 and launches[0]["status"] == 0, launches
-    replaced, shrank = launches[0]["recoveries"]
+    replaced, shrank, started_again = launches[0]["recoveries"]
     assert replaced["lost"] == [nodes[1]] and replaced["spares"] == [nodes[3]], replaced
-    assert (shrank["lost"], shrank["spares"], shrank["world_size"]) == ([nodes[2]], [], 4)
+    assert (shrank["lost"], shrank["spares"], shrank["world_size"]) == ([nodes[3]], [], 4)
+    assert (started_again["lost"], started_again["restarted"]) == ([], [5]), started_again
     # The summary: the world it ended in, when it shrank, and the launch's global batch.
     summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
     assert (summary["world_size"], summary["nodes"]) == (4, 2), summary
@@ -604,16 +616,17 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
     (shrink,) = summary["shrinks"]
     assert shrink["world_size"] == 4 and resumed < shrink["step"] < SHRUNK_STEPS, summary
     ledger = goodput_of(text)
-    assert ledger["recovery_s"] == pytest.approx(replaced["joined_s"] + shrank["joined_s"],
-                                                 abs=0.01), ledger
+    assert ledger["recovery_s"] == pytest.approx(
+        replaced["joined_s"] + shrank["joined_s"] + started_again["joined_s"], abs=0.01), ledger
     assert ledger["smaller_world_s"] > 0 and "in a smaller world" in ledger["text"], ledger
     first_after = min(event["time"] for event in events
                       if event["time"] > crashed_at and event["step"] > resumed)
     print(f"{nodes[1]} crashed: the group re-formed {replaced['joined_s']:.1f} s after the "
           f"failure was noticed (left {replaced['left_s']:.2f} s); a logged step "
-          f"{first_after - crashed_at:.1f} s after the crash. {nodes[2]} crashed: 2 x 2 ranks "
+          f"{first_after - crashed_at:.1f} s after the crash. {nodes[3]} crashed: 2 x 2 ranks "
           f"went on {shrank['joined_s']:.1f} s after it was noticed, at step {shrink['step']}, "
-          f"for {shrink['seconds']:.1f} s; steps/s at 3 x 2 after the first recovery "
+          f"for {shrink['seconds']:.1f} s; rank 5 killed there: started again and joined "
+          f"{started_again['joined_s']:.1f} s after; steps/s at 3 x 2 after the first recovery "
           f"{rate(events, resumed, shrink['step']):.1f}, at 2 x 2 "
           f"{rate(events, shrink['step'], SHRUNK_STEPS):.1f}; {ledger['text']}")
 
