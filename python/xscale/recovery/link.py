@@ -75,7 +75,9 @@ class Link:
         its close (the worker notices the death only seconds later)."""
         self.closed = True
         # Not socket.close(): the listening thread's makefile() keeps the descriptor open.
-        os.close(self.socket.detach())
+        descriptor = self.socket.detach()  # -1 where a fork before this one closed it
+        if descriptor >= 0:
+            os.close(descriptor)
 
     def send(self, message: Any) -> None:
         try:
