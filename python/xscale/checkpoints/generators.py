@@ -30,28 +30,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def generator_tensors() -> list[torch.Tensor]:
-    """rng_state's generators as tensors whose sizes stay the same from one call to the next (a
-    peer snapshot copies them into a buffer laid out once): Python's 624 words and position,
-    its cached Gaussian (NaN: none), torch's CPU state, and the accelerator's where in use."""
-    _, words, gauss = random.getstate()
-    tensors = [torch.tensor(words, dtype=torch.int64),
-               torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64),
-               torch.get_rng_state()]
-    accelerator = _accelerator_module()
-    if accelerator is not None and accelerator.is_initialized():
-        tensors.append(accelerator.get_rng_state())
-    return tensors
+    """rng_state as tensors whose sizes stay the same from one call to the next (a peer
+    snapshot copies them into a buffer laid out once): Python's 624 words and position, its
+    cached Gaussian (NaN: none), torch's CPU state, and the accelerator's where in use."""
+    state = rng_state()
+    _, words, gauss = state["python"]
+    return [torch.tensor(words, dtype=torch.int64),
+            torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64),
+            state["torch"], *([state["accelerator"]] if "accelerator" in state else [])]
 
 
 def set_generators(tensors: list[torch.Tensor]) -> None:
-    """The generators generator_tensors gave, set again."""
+    """The generators generator_tensors gave, set again (set_rng_state)."""
     words, gauss, cpu, *device = tensors
     cached = gauss.item()
-    random.setstate((PYTHON_STATE_VERSION, tuple(words.tolist()),
-                     None if math.isnan(cached) else cached))
-    torch.set_rng_state(cpu)
-    if device:
-        _accelerator_module().set_rng_state(device[0])
+    python = (PYTHON_STATE_VERSION, tuple(words.tolist()), None if math.isnan(cached) else cached)
+    set_rng_state({"python": python, "torch": cpu,
+                   **({"accelerator": device[0]} if device else {})})
 
 
 PYTHON_STATE_VERSION = random.getstate()[0]  # the layout of the words (3 since Python 2.4)
