@@ -307,6 +307,79 @@ def test_the_summarys_losses_and_tokens_are_counted_whatever_trainer_logs():
     assert rates.tokens_per_s == pytest.approx(16 * rates.samples_per_s) and rates.tokens_per_s
 
 
+def test_trainers_ranks_left_draw_each_step_the_batches_the_launchs_ranks_would_have():
+    """A smaller world under Trainer (XscaleTrainer.take_world): six ranks drew two batches a
+    step as accelerate deals them (BatchSamplerShard, the last round filled from the epoch's
+    start); four go on, each drawing its share of every step (3, 3, 3, 3 of the twelve), from
+    accelerate's own shuffled order, in two epochs: together the launch's batches of each step,
+    none twice, the steps ending where the six's did."""
+    import torch
+    from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler
+    from torch.utils.data import BatchSampler
+    from xscale import data, hf
+
+    world, accumulation, size, ranks = 6, 2, 3, 4
+    sampler = SeedableRandomSampler(data_source=range(100), data_seed=7,
+                                    generator=torch.Generator())
+    batches = BatchSampler(sampler, size, drop_last=False)  # 34 batches, the last of one
+
+    def epochs(draw) -> list[list[int]]:
+        drawn = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            drawn.append(list(draw()))
+        return drawn
+
+    launch = [epochs(lambda rank=rank: BatchSamplerShard(batches, world, rank))
+              for rank in range(world)]
+    left = []
+    for rank in range(ranks):
+        shared = hf._SharedBatches(BatchSamplerShard(batches, ranks, rank),
+                                   data.Share.dealt(world, accumulation, size, rank, ranks))
+        left.append(epochs(lambda shared=shared: shared))
+        assert len(shared) == 3 * 3 and all(len(epoch) == len(shared) for epoch in left[-1])
+    for epoch in range(2):
+        for step in range(3):  # 6 rounds of six batches: 3 steps of 2
+            theirs = [batch for drawn in launch
+                      for batch in drawn[epoch][step * accumulation:(step + 1) * accumulation]]
+            ours = [batch for drawn in left for batch in drawn[epoch][step * 3:(step + 1) * 3]]
+            assert sorted(ours) == sorted(theirs), (epoch, step)
+    assert launch[0][0] != launch[0][1]  # the epochs are shuffled apart
+
+
+def test_a_trainer_run_says_why_it_cannot_go_on_in_a_smaller_world():
+    """What rank 0 prints at the start of a live-recovered Trainer run that could not go on
+    without a lost node (xscale.hf._cannot_shrink), and None where it can: accelerate's dealing
+    of whole batches (launched on 4 ranks: 34 batches, 9 a rank), whole steps, one gather a
+    step, and a loss averaged over every rank's tokens."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+    from xscale import hf
+
+    def loader(**dealing: bool) -> DataLoaderShard:
+        batches = BatchSampler(SequentialSampler(range(100)), 3, drop_last=False)
+        return DataLoaderShard(range(100), batch_sampler=BatchSamplerShard(batches, 2, 1,
+                                                                           **dealing))
+
+    def why(accumulation: int = 3, dealing: dict | None = None, **args: object) -> str | None:
+        trainer = SimpleNamespace(model_accepts_loss_kwargs=True, args=SimpleNamespace(
+            gradient_accumulation_steps=accumulation, include_num_input_tokens_seen="no",
+            average_tokens_across_devices=True))
+        vars(trainer.args).update(args)
+        return hf._cannot_shrink(trainer, loader(**(dealing or {})), launch_world=4)
+
+    assert why() is None
+    assert why(accumulation=2) == ("an epoch's 9 batches per rank are not whole steps of 2 "
+                                   "(gradient_accumulation_steps)")
+    assert why(dealing={"even_batches": False}).startswith("its training batches are not dealt")
+    assert why(include_num_input_tokens_seen=True) == \
+        "include_num_input_tokens_seen gathers at every micro-batch, not at every step"
+    assert why(average_tokens_across_devices=False) == \
+        "each rank averages its loss over its own tokens (average_tokens_across_devices)"
+
+
 def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_every_rank(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """Steps 1..30 of a run at 0.25 s a step, votes every 10: the first vote after a timed step

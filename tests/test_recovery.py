@@ -355,12 +355,12 @@ def test_a_loop_live_recovery_cannot_serve_falls_back_with_its_reason_not_no_sur
 
 @pytest.mark.parametrize("min_nodes, shrinks, why", [
     (2, True, "1 node would be left, fewer than XSCALE_MIN_NODES=2"),
-    (1, False, "rank 0 on n0 cannot go on in a smaller world (only xscale.Loop with a DDP "
-               "model deals a step's batch over fewer ranks)")])
+    (1, False, "rank 0 on n0 cannot go on in a smaller world (only a DDP model under "
+               "xscale.Loop or XscaleTrainer deals a step's batch over fewer ranks)")])
 def test_with_no_spare_a_world_that_cannot_shrink_falls_back_saying_why(
         min_nodes: int, shrinks: bool, why: str):
     """Two ranks on two nodes, no spare, rank 1's node lost: below XSCALE_MIN_NODES, or with a
-    rank whose loop cannot deal a step's batch over fewer ranks (Hugging Face's Trainer), the
+    rank whose loop cannot deal a step's batch over fewer ranks (a sharded model), the
     coordinator falls back (the usual restart or requeue) and says which."""
     host_side = host_module("coordinator")
     reasons: list[str] = []

@@ -378,8 +378,8 @@ class Coordinator:
         nodes = {peer.node for peer in survivors}
         unable = [peer for peer in survivors if not peer.shrinks]
         if unable:
-            return ("%s cannot go on in a smaller world (only xscale.Loop with a DDP model "
-                    "deals a step's batch over fewer ranks)" % unable[0])
+            return ("%s cannot go on in a smaller world (only a DDP model under xscale.Loop or "
+                    "XscaleTrainer deals a step's batch over fewer ranks)" % unable[0])
         if survivors[0].rank != 0:
             return "rank 0 was lost with it (its log and summary are the run's)"
         if restarted:

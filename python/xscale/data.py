@@ -8,7 +8,7 @@ repeated samples, so counts summed over ranks are exactly the data set.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,20 @@ class Share:
                 owner, micro = divmod(number, self.accumulation)
                 start = owner + self.world * (step * self.accumulation + micro) * self.batch_size
                 yield from order[start:start + self.world * self.batch_size:self.world]
+
+    def batches(self, drawn: Mapping[int, Sequence[Any]], steps: int) -> Iterator[Any]:
+        """This rank's micro-batches of STEPS steps, for a loader that deals whole batches to
+        the ranks (accelerate's, under Hugging Face's Trainer): DRAWN[r] is what the launch's
+        rank r drew in the epoch, `accumulation` a step, for each r in `owners`."""
+        for step in range(steps):
+            for number in self.micro_batches:
+                owner, micro = divmod(number, self.accumulation)
+                yield drawn[owner][step * self.accumulation + micro]
+
+    @property
+    def owners(self) -> list[int]:
+        """The launch's ranks whose micro-batches this rank trains on."""
+        return sorted({number // self.accumulation for number in self.micro_batches})
 
     @property
     def per_step(self) -> int:

@@ -18,17 +18,19 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, PredictionOutput
 
-from xscale import lifecycle, runtime
+from xscale import data, lifecycle, runtime
 from xscale.dist import (
     choose_backend,
     choose_device,
@@ -138,17 +140,47 @@ class XscaleTrainer(Trainer):
             self.add_callback(callback)
         self.saved: str | None = None
         self._said_skipped = False
+        # After live recovery found no spare: this rank's share of each step's global batch,
+        # laid out by the launch's ranks (take_world); None while the world is the launch's.
+        self.share: data.Share | None = None
+        self.shrinks = runtime.Shrinks()
 
     def training_step(self, model: nn.Module, inputs: Mapping[str, Any], *args: Any,
                       **kwargs: Any) -> torch.Tensor:
         """Trainer's step on one micro-batch; its loss and tokens are counted here, whatever
         the logging cadence (logging_steps) and include_num_input_tokens_seen say."""
         self.live_steps.before_micro_batch()
+        if self.share is not None:  # Trainer divides by this rank's micro-batches of the step
+            self.current_gradient_accumulation_steps = self.share.accumulation
         loss = super().training_step(model, inputs, *args, **kwargs)
         if self.accelerator.sync_gradients:  # the step's last micro-batch: Trainer clips next
             self.live_steps.before_update()
+        if self.share is not None:
+            # This rank's part of the step's loss, weighted so that the mean over the ranks
+            # (Trainer's log, xscale's vote) is the launch's mean over its ranks.
+            loss = loss * self.ctx.world_size / self.share.world
         self.train_call.micro_batch(loss, inputs)
         return loss
+
+    def compute_loss(self, model: nn.Module, inputs: Mapping[str, Any],
+                     return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """Trainer's loss. A loss averaged over the step's tokens on every rank (the gathered
+        num_items_in_batch) Trainer multiplies by accelerate's process count, for the gradient
+        all-reduce to divide again; in a smaller world the all-reduce divides by the launch's
+        count (xscale.recovery.ddp), and the loss is multiplied by that one instead."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        counted = self.accelerator.num_processes
+        averaged_over_ranks = (num_items_in_batch is not None
+                               and self.args.average_tokens_across_devices
+                               and (self.model_accepts_loss_kwargs or self.compute_loss_func))
+        if self.share is None or counted == self.share.world or not averaged_over_ranks:
+            return result
+        scale = self.share.world / counted
+        if return_outputs:
+            loss, outputs = result
+            return loss * scale, outputs
+        return result * scale
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """Trainer's evaluation; after a stop, none (the time left is for the requeue): one
@@ -174,10 +206,27 @@ class XscaleTrainer(Trainer):
         return {f"{prefix}_loss": float("nan")}
 
     def get_train_dataloader(self) -> DataLoader:
-        return _shield_workers(super().get_train_dataloader())
+        loader = super().get_train_dataloader()
+        if self.share is not None:
+            loader = _drawing(loader, _SharedBatches(loader.batch_sampler, self.share))
+        return _shield_workers(loader)
 
     def get_eval_dataloader(self, *args: Any, **kwargs: Any) -> DataLoader:
         return _shield_workers(super().get_eval_dataloader(*args, **kwargs))
+
+    def take_world(self, rank: int, world: int, nnodes: int, launch_world: int) -> None:
+        """Train on as RANK of WORLD ranks on NNODES nodes (live recovery found no spare): this
+        rank's share of each step's global batch, which stays the one LAUNCH_WORLD ranks laid
+        out (xscale.data.Share): the same samples a step, the same steps, the same mean."""
+        launch_accumulation = (self.args.gradient_accumulation_steps if self.share is None
+                               else self.share.accumulation)
+        self.ctx = replace(self.ctx, rank=rank, world_size=world, nnodes=nnodes)
+        self.tally.clock.world_size = world
+        _tell_accelerate(rank, world)
+        self.share = data.Share.dealt(launch_world, launch_accumulation,
+                                      self.args.per_device_train_batch_size, rank, world)
+        # Trainer's loop takes this many batches a step, and counts its epoch's steps by it.
+        self.args.gradient_accumulation_steps = len(self.share.micro_batches)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """Trainer.train, from the newest whole checkpoint unless told otherwise; then the stop
@@ -234,7 +283,8 @@ class XscaleTrainer(Trainer):
         0's list of the ranks' nodes anew (a node changed)."""
         self.stop.rejoined(save_every)
         self.train_call.rejoined()
-        self.stop.watch.restart(gather_to_rank0(contract.node_name()))
+        self.stop.watch.restart(gather_to_rank0(contract.node_name()), self.ctx.rank,
+                                self.ctx.world_size, self.args.gradient_accumulation_steps)
 
     @property
     def stopped(self) -> bool:
@@ -245,15 +295,17 @@ class XscaleTrainer(Trainer):
         """XSCALE_RANK on every rank and XSCALE_SUMMARY on rank 0 for this train() call, with
         the script's OWN fields after xscale's; the whole summary goes into the output
         directory, beside the checkpoints. Every rank calls it."""
-        call, args = self.train_call, self.args
+        call, args, share = self.train_call, self.args, self.share
         runtime.write_summary(
             self.ctx, self.model, trainer=self.run_name, started=self.started,
             start_step=call.start_step, steps=call.end_step, meter=call.throughput,
             loss_first=call.loss_first, loss_last=call.loss_last,
             stopped=self.stopped, checkpoint=self.saved,
             batch_size=args.per_device_train_batch_size,
-            accumulation=args.gradient_accumulation_steps, counts_tokens=True,
-            stragglers=self.stop.watch, tally=self.tally, output_dir=args.output_dir, **own)
+            accumulation=args.gradient_accumulation_steps if share is None else share.accumulation,
+            global_batch_size=None if share is None else share.per_step * share.world,
+            counts_tokens=True, stragglers=self.stop.watch, tally=self.tally,
+            output_dir=args.output_dir, shrinks=self.shrinks.done(), **own)
 
 
 @functools.cache  # once per process
@@ -277,6 +329,93 @@ def _shield_workers(loader: DataLoader) -> DataLoader:
         spawn = multiprocessing.get_start_method(allow_none=True) == "spawn"
         inner.multiprocessing_context = lifecycle.worker_context(spawn=spawn)
     return loader
+
+
+def _tell_accelerate(rank: int, world: int) -> None:
+    """accelerate's process count and this process's number, in the world live recovery made
+    (set where accelerate keeps them, its states' shared dicts): its gathers size their
+    output by them, and Trainer deals the batches (_SharedBatches) and saves by them."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    for state in (PartialState._shared_state, AcceleratorState._shared_state):
+        state.update(num_processes=world, process_index=rank)
+
+
+def _deals_whole_batches(loader: DataLoader) -> bool:
+    """Whether accelerate deals LOADER's batches to the ranks in turn, each rank the same
+    number (BatchSamplerShard with even_batches, Trainer's default)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    shard = getattr(loader, "batch_sampler", None)
+    return isinstance(shard, BatchSamplerShard) and not shard.split_batches \
+        and shard.even_batches
+
+
+def _cannot_shrink(trainer: XscaleTrainer, loader: DataLoader, launch_world: int) -> str | None:
+    """Why Trainer's loop cannot go on as a smaller world with the same steps (each rank
+    taking its share of every step's batches, XscaleTrainer.take_world); None: it can."""
+    args = trainer.args
+    if not _deals_whole_batches(loader):
+        return ("its training batches are not dealt to the ranks whole, the same number to "
+                "each (accelerate's split_batches, even_batches=False, or an iterable data set)")
+    per_rank = len(type(loader.batch_sampler)(loader.batch_sampler.batch_sampler, launch_world))
+    if per_rank % args.gradient_accumulation_steps:
+        return (f"an epoch's {per_rank} batches per rank are not whole steps of "
+                f"{args.gradient_accumulation_steps} (gradient_accumulation_steps)")
+    if args.include_num_input_tokens_seen not in ("no", False):
+        return "include_num_input_tokens_seen gathers at every micro-batch, not at every step"
+    if trainer.model_accepts_loss_kwargs and not args.average_tokens_across_devices:
+        return "each rank averages its loss over its own tokens (average_tokens_across_devices)"
+    return None
+
+
+class _SharedBatches(BatchSampler):
+    """This rank's share of each step's batches in a smaller world (xscale.data.Share): the
+    batches the launch's ranks would have drawn, as accelerate dealt them (LAUNCHED: a rank's
+    BatchSamplerShard; its `batch_sampler`, the epoch's batches in order, keeps that name for
+    accelerate to set the epoch through)."""
+
+    def __init__(self, launched: BatchSampler, share: data.Share) -> None:
+        from accelerate.data_loader import BatchSamplerShard
+
+        self.batch_sampler, self.share = launched.batch_sampler, share
+        self.batch_size, self.drop_last = launched.batch_size, launched.drop_last
+        self._dealt = functools.partial(BatchSamplerShard, num_processes=share.world,
+                                        split_batches=False, even_batches=True)
+        self._steps = len(self._dealt(self.batch_sampler, process_index=0)) // share.accumulation
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch = list(self.batch_sampler)  # drawn once: the sampler moves to its next epoch
+        drawn = {owner: list(self._dealt(_Batches(epoch, self.batch_sampler),
+                                         process_index=owner))
+                 for owner in self.share.owners}
+        return self.share.batches(drawn, self._steps)
+
+    def __len__(self) -> int:
+        return self._steps * len(self.share.micro_batches)
+
+
+class _Batches(list):
+    """A copy of an epoch's BATCHES, with the attributes of the BATCH_SAMPLER that drew them
+    that BatchSamplerShard reads (it fills the epoch's last batch up in place)."""
+
+    def __init__(self, batches: list[list[int]], batch_sampler: BatchSampler) -> None:
+        super().__init__(list(batch) for batch in batches)
+        self.batch_size, self.drop_last = batch_sampler.batch_size, batch_sampler.drop_last
+
+
+def _drawing(loader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
+    """accelerate's LOADER drawing from BATCH_SAMPLER instead, made as accelerate makes one
+    (skip_first_batches): the same device placement, generators and epoch count."""
+    from accelerate.data_loader import _PYTORCH_DATALOADER_KWARGS, DataLoaderShard
+
+    drawn_by_sampler = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+    kwargs = {key: getattr(loader, key, default)
+              for key, default in _PYTORCH_DATALOADER_KWARGS.items()
+              if key not in drawn_by_sampler}
+    return DataLoaderShard(loader.dataset, device=loader.device, rng_types=loader.rng_types,
+                           synchronized_generator=loader.synchronized_generator,
+                           iteration=loader.iteration, batch_sampler=batch_sampler, **kwargs)
 
 
 class _AutoSaveSteps:
@@ -499,6 +638,7 @@ class TrainerPlace(NamedTuple):
     scheduler: dict
     scaler: dict | None
     save_every: int | None
+    nnodes: int  # the nodes the world trains on (fewer than the launch's after a shrink)
 
 
 class _Rejoin(Exception):
@@ -532,6 +672,7 @@ class _LiveSteps(TrainerCallback):
         self._place: TrainerPlace | None = None  # the state received, to begin again from
         self._loads: tuple[dict, TrainerPlace] | None = None  # the optimizer's state and place
         self._folder: str | None = None
+        self._mid_step = False  # a micro-batch of the step under way was begun
 
     # ---- in Trainer's loop ----------------------------------------------------------------
 
@@ -546,24 +687,37 @@ class _LiveSteps(TrainerCallback):
             links.link().not_live(why)
         else:
             self.live, why = live.for_loop(trainer.ctx, trainer.model_wrapped,
-                                           _torch_optimizer(trainer.optimizer))
+                                           _torch_optimizer(trainer.optimizer), redivides=True)
         if why is not None and trainer.ctx.is_main:
             print(f"xscale: live recovery is off for this run: {why}; a lost node restarts the "
                   "launch on a spare instead (docs/YOUR-SCRIPT.md)", flush=True)
+        if self.live is not None:
+            cannot = _cannot_shrink(trainer, kwargs["train_dataloader"],
+                                    self.live.link.launch_world)
+            if cannot is None:
+                self.live.may_shrink()
+            elif trainer.ctx.is_main:
+                print(f"xscale: with no spare left this run cannot go on in a smaller world: "
+                      f"{cannot}", flush=True)
         if self.live is not None and self.live.link.joining:
             self._place = self.live.receive()
             raise _Rejoin()
 
     def before_micro_batch(self) -> None:
-        """The kind's collectives before a forward (DDP's buffers), none on a broken group."""
+        """The kind's collectives before a forward (DDP's buffers), none on a broken group;
+        in a smaller world, where ranks take unequal shares of a step, once at its start."""
         if self.live is not None:
             if self.live.broken:
                 raise GroupBroken("the group broke before this micro-batch")
+            if self._mid_step and self.trainer.share is not None:
+                return
+            self._mid_step = True
             self.live.before_batch()
 
     def before_update(self) -> None:
         """The kind's collectives between the last backward and the clipping (DDP's first
         step of a new group)."""
+        self._mid_step = False
         if self.live is not None:
             self.live.before_update()
 
@@ -592,14 +746,21 @@ class _LiveSteps(TrainerCallback):
         """Recover (a survivor) or take the state received (a replacement); the folder Trainer's
         train() resumes from."""
         trainer = self.trainer
-        if self._place is None:
+        self._mid_step = False
+        launch_world = self.live.link.launch_world
+        if self._place is None:  # a survivor
             recovered = self.live.recover(self._here())
             self._place = recovered.position
+            if dist.get_world_size() != trainer.ctx.world_size:
+                self._go_on_smaller(self._place.step, launch_world)
             if trainer.ctx.is_main:
                 print(f"{runtime.script_name()}: live recovery: training goes on at step "
                       f"{self._place.step}, {recovered.seconds:.1f} s after this rank left the "
                       f"broken group (the state's transfer: {recovered.handover_s:.2f} s)",
                       flush=True)
+        elif dist.get_world_size() != launch_world:  # started again in a smaller world
+            trainer.take_world(dist.get_rank(), dist.get_world_size(), self._place.nnodes,
+                               launch_world)
         place, self._place = self._place, None
         optimizer = _torch_optimizer(trainer.optimizer)
         # Trainer makes its scheduler again, which sets the optimizer's learning rate to the
@@ -612,6 +773,19 @@ class _LiveSteps(TrainerCallback):
         trainer.rejoined(place.save_every)
         return self._folder
 
+    def _go_on_smaller(self, step: int, launch_world: int) -> None:
+        """No spare was left: this rank's number in the smaller world (the coordinator's) and
+        its share of each step from here (XscaleTrainer.take_world)."""
+        trainer, world = self.trainer, dist.get_world_size()
+        nodes = len(set(runtime.every_node()))
+        trainer.take_world(dist.get_rank(), world, nodes, launch_world)
+        trainer.shrinks.went_on(step, world, nodes)
+        share = trainer.share
+        if trainer.ctx.is_main:
+            print(runtime.went_smaller(runtime.script_name(), world, nodes,
+                                       share.per_step * share.world, len(share.micro_batches)),
+                  flush=True)
+
     def _here(self) -> TrainerPlace:
         """This rank's place; the source rank's is every rank's after the hand-over."""
         trainer = self.trainer
@@ -620,7 +794,8 @@ class _LiveSteps(TrainerCallback):
         return TrainerPlace(step=trainer.state.global_step, state=trainer.state,
                             scheduler=trainer.lr_scheduler.state_dict(),
                             scaler=None if scaler is None else scaler.state_dict(),
-                            save_every=None if auto is None else auto.every)
+                            save_every=None if auto is None else auto.every,
+                            nnodes=trainer.ctx.nnodes)
 
     def holds(self, checkpoint: str | None) -> bool:
         """Whether CHECKPOINT is the folder that stands for the state in memory."""

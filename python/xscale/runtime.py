@@ -222,6 +222,42 @@ def default_run_name() -> str:
     return Path(script_name()).stem
 
 
+class Shrinks:
+    """Each smaller world a run went on in after live recovery found no spare (Loop's and
+    XscaleTrainer's), for the summary."""
+
+    def __init__(self) -> None:
+        self._worlds: list[tuple[int, int, int, float]] = []  # step, ranks, nodes, since
+
+    def went_on(self, step: int, world_size: int, nodes: int) -> None:
+        self._worlds.append((step, world_size, nodes, time.perf_counter()))
+
+    def done(self) -> list[dict[str, Any]] | None:
+        """From which step, its ranks and nodes, and the seconds it trained so (until the next,
+        or the end); None: the run never shrank."""
+        if not self._worlds:
+            return None
+        ends = [since for *_, since in self._worlds[1:]] + [time.perf_counter()]
+        return [{"step": step, "world_size": world_size, "nodes": nodes,
+                 "seconds": round(end - since, 3)}
+                for (step, world_size, nodes, since), end in zip(self._worlds, ends, strict=True)]
+
+
+def went_smaller(prog: str, world_size: int, nodes: int, global_batch: int,
+                 micro_batches: int) -> str:
+    """Rank 0's line when the world shrank: MICRO_BATCHES is its share of a step's."""
+    return (f"{prog}: no spare node was left: training goes on as {world_size} ranks on "
+            f"{nodes} node{'s' if nodes != 1 else ''}, each step's {global_batch} samples dealt "
+            f"over them ({micro_batches} micro-batches on rank 0)")
+
+
+def every_node() -> list[str]:
+    """Every rank's node, in rank order, on every rank (a collective)."""
+    nodes: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(nodes, contract.node_name())
+    return nodes
+
+
 class RunTally:
     """What a run tallies as it trains, whichever loop drives it (Loop, or Hugging Face's Trainer
     through xscale.hf): its first step (the end of the start-up), its log intervals, the time
@@ -459,7 +495,7 @@ class Loop:
         self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
                                            say=self.log.message)
         self.stragglers.micro_batches = self.micro_batches  # more than another's, in a share
-        self.shrinks: list[dict[str, Any]] = []  # each smaller world the run went on in
+        self.shrinks = Shrinks()
         self._script_reads: set[str] = set()  # which of boundary, sync_gradients
         if resumed is not None:
             self.message(f"{self.prog}: resuming from step {resumed} in {self.output_dir}")
@@ -702,16 +738,12 @@ class Loop:
         xscale.recovery.link), and takes its share of each step's global batch, which stays
         the launch's (xscale.data.Share): the same samples, the same steps, the same mean."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        nodes: list[str] = [""] * world
-        dist.all_gather_object(nodes, contract.node_name())
+        nodes = every_node()
         self._take_world(rank, world, len(set(nodes)))
         self.stragglers.restart(nodes, rank, world, self.micro_batches)
-        self.shrinks.append({"step": self.step, "world_size": world, "nodes": self.ctx.nnodes,
-                             "since": time.perf_counter()})
-        nodes_left = f"{self.ctx.nnodes} node{'s' if self.ctx.nnodes != 1 else ''}"
-        self.message(f"{self.prog}: no spare node was left: training goes on as {world} ranks "
-                     f"on {nodes_left}, each step's {self._global_batch} samples "
-                     f"dealt over them ({self.micro_batches} micro-batches on rank 0)")
+        self.shrinks.went_on(self.step, world, self.ctx.nnodes)
+        self.message(went_smaller(self.prog, world, self.ctx.nnodes, self._global_batch,
+                                  self.micro_batches))
 
     def _take_world(self, rank: int, world: int, nnodes: int) -> None:
         """Train on as RANK of WORLD ranks on NNODES nodes, with this rank's share of each
@@ -815,17 +847,7 @@ class Loop:
                       batch_size=self.batch_size, accumulation=self.accumulation,
                       counts_tokens=False, stragglers=self.stragglers, tally=self.tally,
                       output_dir=self.output_dir, global_batch_size=self._global_batch,
-                      shrinks=self._shrinks_done(), **own)
-
-    def _shrinks_done(self) -> list[dict[str, Any]] | None:
-        """Each smaller world the run went on in: from which step, its ranks and nodes, and
-        the seconds it trained so (until the next, or the end); None: it never shrank."""
-        if not self.shrinks:
-            return None
-        ends = [shrink["since"] for shrink in self.shrinks[1:]] + [time.perf_counter()]
-        return [{"step": shrink["step"], "world_size": shrink["world_size"],
-                 "nodes": shrink["nodes"], "seconds": round(end - shrink["since"], 3)}
-                for shrink, end in zip(self.shrinks, ends, strict=True)]
+                      shrinks=self.shrinks.done(), **own)
 
 
 def _state_of(schedule: Any) -> dict | None:
@@ -852,7 +874,7 @@ def write_summary(ctx: DistContext, model: nn.Module, *, trainer: str, started: 
     """The one place XSCALE_RANK and XSCALE_SUMMARY are written, for every trainer; the whole
     summary also into OUTPUT_DIR/xscale-summary.json (xscale.observe.runlog). The global batch
     is every rank's micro-batches unless the loop says (a world that shrank kept the launch's);
-    SHRINKS: each smaller world the run went on in (Loop._shrinks_done)."""
+    SHRINKS: each smaller world the run went on in (Shrinks.done)."""
     rates = meter.reduced()
     node, phases = contract.node_name(), startup.rank_phases()
     runlog.rank_record(rank=ctx.rank, local_rank=ctx.local_rank, node=node, steps=steps,

@@ -36,9 +36,10 @@ class Live:
         link.live(shrinks=False)
 
     def may_shrink(self) -> None:
-        """The script steps its optimizer at the loop's boundary and reduces the gradients when
-        the loop says (xscale.Loop.sync_gradients): with no spare left, this rank can go on in
-        a smaller world, where it may train more micro-batches a step than another."""
+        """The loop can deal each step's batch over fewer ranks (xscale.Loop, whose script
+        steps its optimizer at the loop's boundary; XscaleTrainer, where accelerate deals
+        whole batches): with no spare left, this rank can go on in a smaller world, where it
+        may train more micro-batches a step than another."""
         if self._shrinkable:
             self._shrinkable = False
             self.link.live(shrinks=True)
