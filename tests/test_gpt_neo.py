@@ -380,6 +380,25 @@ def test_a_trainer_run_says_why_it_cannot_go_on_in_a_smaller_world():
         "each rank averages its loss over its own tokens (average_tokens_across_devices)"
 
 
+def test_a_trainer_run_again_after_its_last_step_trains_no_step_more(tmp_path: Path):
+    """Trainer begun at its last step trains one more before it checks the count (transformers
+    4.57 resumed from checkpoint-2 of max_steps=2 ends at step 3). XscaleTrainer, run again over
+    a finished run's directory (a finished job submitted again; a live recovery after the last
+    step begins the loop there too), leaves its loop first: still step 2, the saved weights,
+    and a summary of no step trained (tests/programs/trainer_run_again.py)."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "XSCALE_BACKEND")}
+    run = subprocess.run([sys.executable, str(REPO / "tests/programs/trainer_run_again.py"),
+                          str(tmp_path / "out")], capture_output=True, text=True, env=env,
+                         timeout=300, check=False)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    assert tagged_records(output, "RESULT") == [{"steps": [2, 2], "weights_changed": False}]
+    first, again = tagged_records(output, "XSCALE_SUMMARY")
+    assert (first["start_step"], first["steps"]) == (0, 2), first
+    assert (again["start_step"], again["steps"], again["loss_last"]) == (2, 2, None), again
+
+
 def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_every_rank(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """Steps 1..30 of a run at 0.25 s a step, votes every 10: the first vote after a timed step

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, PredictionOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, PredictionOutput, TrainOutput
 
 from xscale import data, lifecycle, runtime
 from xscale.dist import (
@@ -135,7 +135,7 @@ class XscaleTrainer(Trainer):
         self.stop = _StopOnSignal(self.tally, watch=watch, auto=auto,
                                   reduce=self.train_call.reduce_losses)
         self.live_steps = _LiveSteps(self)  # first: a replacement leaves before the others begin
-        for callback in (self.live_steps, self.train_call, self.stop,
+        for callback in (self.live_steps, _NoStepPastTheLast(), self.train_call, self.stop,
                          _ProfileSteps(self.ctx.rank, self.ctx.device)):
             self.add_callback(callback)
         self.saved: str | None = None
@@ -254,12 +254,20 @@ class XscaleTrainer(Trainer):
                 with links.abortable_collectives():  # Trainer's own gathers too
                     return super().train(resume_from_checkpoint=resume_from_checkpoint,
                                          **kwargs)
+            except _TrainingDone:
+                return self._trained_to_the_end()
             except Exception as error:
                 if not self.live_steps.recoverable(error):
                     raise
             # Outside the handler: the broken loop's frames, its DataLoader workers with them,
             # are gone before the recovery begins.
             resume_from_checkpoint = self.live_steps.recover()
+
+    def _trained_to_the_end(self) -> TrainOutput:
+        """Trainer's loop began at its last step (_NoStepPastTheLast): the call ends as
+        Trainer's does, its callbacks told, with no step and so no loss of its own."""
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        return TrainOutput(self.state.global_step, float("nan"), {})
 
     # Trainer's resume, from the state a live recovery handed over instead of a checkpoint.
 
@@ -639,6 +647,21 @@ class TrainerPlace(NamedTuple):
     scaler: dict | None
     save_every: int | None
     nnodes: int  # the nodes the world trains on (fewer than the launch's after a shrink)
+
+
+class _TrainingDone(Exception):
+    """Trainer's loop began where its last step is done."""
+
+
+class _NoStepPastTheLast(TrainerCallback):
+    """Trainer begun at its last step (max_steps) trains one step more before its loop checks
+    the count: a resume from the last step's checkpoint (a finished job submitted again), or a
+    live recovery after the last step, before train() returned. The loop is left before that
+    step (XscaleTrainer._trained_to_the_end), as xscale.Loop trains none there."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if 0 < state.max_steps <= state.global_step:
+            raise _TrainingDone()
 
 
 class _Rejoin(Exception):
