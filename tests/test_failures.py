@@ -474,9 +474,13 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
     # A rank's collective timed out at XSCALE_TIMEOUT_S (gloo's words; NCCL's watchdog says
     # "collective operation timeout") while rank 3 stayed silent: a hang, which live recovery
     # leaves to the report; its coordinator ended the step, the frozen rank with it, once the
-    # hang watch had read rank 3's stack.
-    assert re.search(r"^xscale: live recovery: not possible: rank [0-2]'s collective timed out "
-                     r"and rank 3 on nid002 never came: a hung process", text, re.M), text[-4000:]
+    # hang watch had read rank 3's stack. What the coordinator hears first is a race: a rank
+    # whose collective timed out, or one whose connection to rank 2 closed as rank 2's own
+    # collective ended (seen once in a clean clone); then rank 3 is the silent one beside a
+    # living node-mate. Either way a hang, named below.
+    assert re.search(r"^xscale: live recovery: not possible: (rank [0-2]'s collective timed out "
+                     r"and rank 3 on nid002 never came|rank 3 on nid002 sent nothing while its "
+                     r"node's other ranks live on): a hung process", text, re.M), text[-4000:]
     assert "xscale: live recovery: rank 3 on nid002 has not ended; ending the launch's step" \
         in text, text[-4000:]
     report = [line for line in text.splitlines() if line.startswith("xscale: ")]
