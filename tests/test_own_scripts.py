@@ -340,21 +340,22 @@ def test_a_trainer_script_with_xscales_lines_outlives_a_crash_a_freeze_and_a_cra
         before = trainer_pids(job_id)
         replaced = "xscale: live recovery: {} in place of {}".format
         # The progress notes come every 10 steps: each fault comes at the next ten.
-        for count, (fault, node, after_step, recovered) in enumerate((
-                ("crash", nodes[1], 10, replaced(nodes[2], nodes[1])),
-                ("freeze", nodes[2], 24, replaced(nodes[3], nodes[2])),
-                ("crash past the spares", nodes[3], 34,
+        for count, (fault, kind, node, after_step, recovered) in enumerate((
+                ("crash", "crash", nodes[1], 10, replaced(nodes[2], nodes[1])),
+                ("freeze", "freeze", nodes[2], 24, replaced(nodes[3], nodes[2])),
+                ("crash past the spares", "crash", nodes[3], 34,
                  f"2 ranks on 1 node go on without {nodes[3]}"),
                 # Past the smaller world's second step (docs/FAILURES.md, "When it falls back").
-                ("kill of rank 1", None, 44, "rank 1 started again on its node")), start=1):
+                ("kill of rank 1", "kill", None, 44, "rank 1 started again on its node")),
+                start=1):
             wait_for(lambda step=after_step: past_step(progress, step), 300, "training")
             began = time.monotonic()
-            if node is None:
+            if kind == "kill":
                 shrunk = trainer_pids(job_id)
                 os.kill(shrunk[1], signal.SIGKILL)
             else:
                 lost.append(node)
-                cluster.fault(fault.split()[0], node)
+                cluster.fault(kind, node)
             wait_for(lambda line=recovered: line in output.read_text(), 120,
                      f"the live recovery from the {fault}")
             wait_for(lambda n=count: output.read_text().count("training goes on at step") == n,
