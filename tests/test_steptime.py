@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from xscale.observe import bounds, steptime
 
 from tests.conftest import ENDED, REPO, VENV_BIN, tool_env
@@ -83,6 +84,30 @@ def test_a_clock_leaves_the_warm_up_out_and_books_data_and_checkpoint_waits():
     clock.waited_for_checkpoint(9.0)  # the save after the last step is outside its time
     assert clock.breakdown() == steptime.Breakdown(seconds=1.0, data=0.5, compute=0.25,
                                                    communication=0.0, checkpoint=0.25, other=0.0)
+
+
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def compile_a_graph(size: int) -> None:
+    """torch.compile captures a new graph: a shape not seen before, without dynamic shapes
+    (dynamo's eager backend: no code is generated, the capture is what counts)."""
+    torch.compile(doubled, backend="eager", dynamic=False)(torch.ones(size))
+
+
+def test_the_steps_torch_compile_spent_compiling_are_warm_up_until_one_compiled_nothing():
+    now = [0.0]
+    clock = steptime.StepClock(warmup_steps=1, now=lambda: now[0])
+    # The counted first step, the compiling second, a recompiling third; then one that compiled
+    # nothing, and from there a compilation (step 6's) is the run's own cost.
+    seconds = {1: 3.0, 2: 40.0, 3: 20.0, 6: 5.0}
+    for step in range(1, 8):
+        if step in (2, 3, 6):
+            compile_a_graph(size=step)
+        now[0] += seconds.get(step, 1.0)
+        clock.step()
+    assert clock.breakdown().seconds == pytest.approx((1.0 + 1.0 + 5.0 + 1.0) / 4)
 
 
 @pytest.mark.parametrize("delay_s, bound", [("0", None), ("0.004", "data")])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from xscale.observe import bounds, flops, peaks
+from xscale.observe import bounds, flops, peaks, warmup
 from xscale.observe.utilisation import LOW_MFU, Utilisation
 from xscale.shared.settings import UserError
 
@@ -113,6 +113,20 @@ def test_only_the_first_whole_step_is_counted():
     model(torch.randn(64, 4)).sum()
     window.end()
     assert window.count is first and first.flops == 2 * 2 * 4 * 4
+
+
+def test_a_compiled_model_runs_its_counted_step_eagerly_and_compiles_at_the_next():
+    """torch up to 2.13 marks a frame first met under a dispatch mode never to be compiled (a
+    compiled GPT-neo-125M stayed eager on an H200): the counted step must not reach dynamo."""
+    model = torch.compile(nn.Linear(4, 4), backend="eager")
+    window = flops.FlopWindow()
+    before = warmup.compiled_graphs()
+    window.begin()
+    model(torch.randn(2, 4)).sum()
+    window.end()
+    assert window.count.flops == 2 * 2 * 4 * 4 and warmup.compiled_graphs() == before
+    model(torch.randn(2, 4)).sum()
+    assert warmup.compiled_graphs() == before + 1
 
 
 def test_no_count_or_no_step_time_gives_no_utilisation():

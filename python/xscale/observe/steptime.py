@@ -41,6 +41,7 @@ from torch import nn
 from xscale.observe.bounds import SHARES, bound_of, verdict
 from xscale.observe.spans import Spans
 from xscale.observe.utilisation import Utilisation
+from xscale.observe.warmup import WarmUp
 
 # DDP times one iteration in this many (its own default is 100); the clock reads it as often.
 SAMPLE_EVERY = 10
@@ -92,6 +93,11 @@ class BufferSync:
             self._spans.add(self._started, self._spans.mark())
             self._started = None
 
+    def restart(self) -> None:
+        """Count from here: the spans before (the warm-up's) are dropped."""
+        self._spans.take(wait=True)
+        self.seconds, self.counting = 0.0, True
+
     def total(self, wait: bool = False) -> float:
         """The seconds so far: the spans done by now, or every one with `wait`."""
         self.seconds += self._spans.take(wait)
@@ -100,15 +106,17 @@ class BufferSync:
 
 class StepClock:
     """One rank's clock over its steps: call step() after each optimizer step, and book the
-    waits for data and checkpoints as they happen. The steps up to `warmup_steps` are left
-    out (kernel search, workers starting). `now`: the clock read (a test's own)."""
+    waits for data and checkpoints as they happen. The warm-up is left out: the steps up to
+    `warmup_steps` (kernel search, workers starting) and those that compiled after them
+    (xscale.observe.warmup). `now`: the clock read (a test's own)."""
 
     def __init__(self, warmup_steps: int = 1, world_size: int = 1,
                  device: torch.device = CPU,
                  now: Callable[[], float] = time.perf_counter) -> None:
-        self.warmup_steps, self.world_size, self.now = max(warmup_steps, 1), world_size, now
-        self.device = device
+        self.world_size, self.now, self.device = world_size, now, device
+        self.warm_up = WarmUp(warmup_steps)
         self.steps = 0
+        self._measured = 0  # steps since the measurement started
         self._ddp: Any = None
         self._buffer_sync: BufferSync | None = None
         self._from_iteration: int | None = None
@@ -137,11 +145,10 @@ class StepClock:
     def step(self) -> None:
         self.steps += 1
         now = self.now()
-        if self.steps == self.warmup_steps:
-            self._started, self._data, self._checkpoint = now, 0.0, 0.0
-            self._from_iteration = self._ddp_iteration()
-            if self._buffer_sync is not None:
-                self._buffer_sync.counting = True
+        if self.warm_up.step():
+            self._start(now)
+        elif self._started is not None:
+            self._measured += 1
         if self._started is None:
             return
         self._last = (now, self._data, self._checkpoint)
@@ -149,6 +156,15 @@ class StepClock:
             self._sample()
             if self._buffer_sync is not None:
                 self._buffer_sync.total()  # read the events done, so that few are kept
+
+    def _start(self, now: float) -> None:
+        """Measure from NOW on: what was booked before (the warm-up's waits, DDP's samples,
+        buffer broadcasts) counts for nothing."""
+        self._started, self._data, self._checkpoint, self._measured = now, 0.0, 0.0, 0
+        self._from_iteration = self._ddp_iteration()
+        self._samples.clear()
+        if self._buffer_sync is not None:
+            self._buffer_sync.restart()
 
     def _ddp_iteration(self) -> int | None:
         return None if self._ddp is None else self._ddp._get_ddp_logging_data().get("iteration")
@@ -167,12 +183,12 @@ class StepClock:
 
     def breakdown(self) -> Breakdown | None:
         """The mean step after the warm-up; None before a step after it."""
-        if self._started is None or self._last is None or self.steps <= self.warmup_steps:
+        if self._started is None or self._last is None or not self._measured:
             return None
         if self._ddp is not None:
             self._sample()  # a run shorter than SAMPLE_EVERY steps has DDP's early samples
         ended, data, stalled = self._last
-        steps = self.steps - self.warmup_steps
+        steps = self._measured
         seconds = (ended - self._started) / steps
         data, stalled = data / steps, stalled / steps
         rest = max(seconds - data - stalled, 0.0)

@@ -1,8 +1,9 @@
 """Throughput, per rank and summed over ranks.
 
 The first steps pay for one-off work (kernel search, DataLoader workers starting, lazy
-allocations), so the clock for the rate starts after `warmup_steps`. GPU work is asynchronous:
-the clock reads synchronise the device, only there.
+allocations), and a compiled model's first steps compile it: the clock for the rate starts after
+`warmup_steps` and the steps that compiled after them (xscale.observe.warmup). GPU work is
+asynchronous: the clock reads synchronise the device, only there.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xscale.observe.warmup import WarmUp
 from xscale.reductions import all_reduce_sums
 
 
@@ -28,7 +30,7 @@ class Throughput:
 
     def __init__(self, device: torch.device, warmup_steps: int = 1) -> None:
         self.device = device
-        self.warmup_steps = warmup_steps
+        self.warm_up = WarmUp(warmup_steps)
         self.steps = 0
         self._samples = [0, 0]  # (all steps, steps after warm-up)
         self._tokens = [0, 0]
@@ -50,11 +52,12 @@ class Throughput:
         self.steps += 1
         self._samples[0] += samples
         self._tokens[0] += tokens
-        if self._warm is not None:
+        if self.warm_up.step():  # counted from this step's end (xscale.observe.warmup)
+            self._warm = self._now()
+            self._samples[1] = self._tokens[1] = 0
+        elif self._warm is not None:
             self._samples[1] += samples
             self._tokens[1] += tokens
-        elif self.steps == self.warmup_steps:
-            self._warm = self._now()
 
     def stop(self) -> None:
         self._stopped = self._now()
