@@ -362,8 +362,11 @@ def test_the_throughput_rows_say_what_ran_and_put_the_verdicts_mfu_beside_the_fo
                           examples=Path("examples"), rounds=2)
     rounds = [{"tokens_per_s": 56_000.0, "mfu": 0.05, "attention": "eager"},
               {"tokens_per_s": 58_000.0, "mfu": 0.052, "attention": "eager"}]
-    row = gpt_neo_row(ctx, rounds, compiled=True)
+    row = gpt_neo_row(ctx, rounds, compiled=True, eager_rate=20_000.0)
     assert (row.name, row.status) == ("throughput gpt-neo-125m compiled", PASS)
+    assert row.figures["speed_up"] == pytest.approx(57_000 / 20_000)
+    no_gain = gpt_neo_row(ctx, rounds, compiled=True, eager_rate=56_000.0)
+    assert no_gain.status == FAIL and "not 1.2x the eager 56,000" in no_gain.reason
     assert {key: row.figures[key] for key in ("attention", "compile", "precision")} == {
         "attention": "eager", "compile": "on", "precision": "bf16"}
     assert row.figures["verdict_mfu"] == pytest.approx(0.051)

@@ -74,6 +74,7 @@ TIMEOUT_S = 1200  # per run: DeepSpeed JIT-builds its fused Adam on first use
 # Throughput runs: the first steps are left out (imagenet.py's summary leaves out min(5, steps/10)).
 BENCH_STEPS, BENCH_WARMUP = 50, 5
 GPT_SEQ_LEN, GPT_BATCH = 1024, 8
+COMPILE_GAIN = 1.2  # the compiled GPT-neo's least speed-up over eager (2.5x on an H200)
 
 
 class UsageError(Exception):
@@ -468,8 +469,9 @@ def check_throughput(ctx: Context) -> list[Check]:
             theirs.append(examples_rate(ctx, round_))
         eager.append(gpt_neo_run(ctx, round_, compiled=False))
         compiled.append(gpt_neo_run(ctx, round_, compiled=True))
-    return [resnet_row(ctx, ours, theirs), gpt_neo_row(ctx, eager, compiled=False),
-            gpt_neo_row(ctx, compiled, compiled=True)]
+    eager_row = gpt_neo_row(ctx, eager, compiled=False)
+    return [resnet_row(ctx, ours, theirs), eager_row,
+            gpt_neo_row(ctx, compiled, compiled=True, eager_rate=eager_row.figures["tokens_s"])]
 
 
 def median_of(summaries: list[dict | None], key: str) -> float | None:
@@ -501,9 +503,13 @@ def resnet_row(ctx: Context, ours: list[dict | None], theirs: list[float | None]
                              "interleaved rounds, fp32", shown)
 
 
-def gpt_neo_row(ctx: Context, summaries: list[dict | None], compiled: bool) -> Check:
+def gpt_neo_row(ctx: Context, summaries: list[dict | None], compiled: bool,
+                eager_rate: float | None = None) -> Check:
     """Tokens/s and two MFUs: the formula's (6N + attention, below) and the verdict's (the run's
-    own count of its first step, xscale.observe.flops), with what the run used."""
+    own count of its first step, xscale.observe.flops), with what the run used. The compiled
+    row also fails when it is not COMPILE_GAIN times as fast as the eager one (EAGER_RATE): on
+    an H200 the compiled step took 38 ms against 94, and a compile that never took effect (the
+    FLOP count once kept it from compiling) would otherwise pass unseen."""
     name = f"throughput gpt-neo-125m{' compiled' if compiled else ''}"
     rates = [summary["tokens_per_s"] for summary in summaries
              if summary and summary.get("tokens_per_s")]
@@ -520,6 +526,12 @@ def gpt_neo_row(ctx: Context, summaries: list[dict | None], compiled: bool) -> C
         logs = f"logs/gpt-neo-125m{'-compiled' if compiled else ''}-r*.log"
         return Check(name, FAIL, f"gpt_neo_imdb.py gave no tokens/s in a round (its log in "
                                  f"{logs})", shown)
+    if compiled and eager_rate:
+        shown["speed_up"] = rate / eager_rate
+        if rate < COMPILE_GAIN * eager_rate:
+            return Check(name, FAIL, f"compiled, {rate:,.0f} tokens/s: not {COMPILE_GAIN}x the "
+                                     f"eager {eager_rate:,.0f}; did the model compile? (logs/"
+                                     "gpt-neo-125m-compiled-r*.log)", shown)
     if peak.tflops is None:
         return Check(name, PASS, f"MFU unknown: {peak.source}", shown)
     return Check(name, PASS, f"bf16, {GPT_BATCH} x {GPT_SEQ_LEN} tokens per step; peak: "
