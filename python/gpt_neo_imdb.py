@@ -230,7 +230,7 @@ def training_arguments(args: argparse.Namespace, output_dir: str) -> TrainingArg
         logging_first_step=True,  # the log's first loss is the one before any learning
         report_to=[],  # TensorBoard is added as a callback, into --logging-path
         dataloader_num_workers=args.num_workers,
-        # Workers start with 'spawn' (see __main__) and re-import this file: keep them alive.
+        # Workers must not be forks of this process (see __main__): keep them alive.
         dataloader_persistent_workers=args.num_workers > 0,
         dataloader_pin_memory=on_gpu,
         bf16=on_gpu and torch.get_device_module(
@@ -341,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Data-loader workers are spawned, not forked: forking after the ROCm/CUDA runtime and its
-    # threads exist can hang or crash the workers (pytorch/pytorch#119845), as the LUMI workshop
-    # found; spawn gives each worker a fresh interpreter.
+    # Data-loader workers are not forks of this process: forking after the ROCm/CUDA runtime and
+    # its threads exist can hang or crash the workers (pytorch/pytorch#119845), as the LUMI
+    # workshop found. Under spawn xscale makes them forks of a fork server, a fresh interpreter
+    # that imports this file and torch once (xscale.lifecycle.worker_context).
     torch.multiprocessing.set_start_method("spawn")
     # Under spawn, tqdm's default multiprocessing lock is a named semaphore that the resource
     # tracker reports as "leaked" on every rank once xscale's shutdown leaves through os._exit.

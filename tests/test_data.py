@@ -110,8 +110,8 @@ def test_the_ranks_left_share_each_step_and_the_epoch_as_the_launchs_ranks_drew_
 ])
 def test_loader_workers_survive_slurms_warning_signal(how, start, survives):
     """SIGUSR1 to the whole process group, as Slurm signals a step: make_loader's workers (and
-    the resource tracker spawn uses) live on; a plain DataLoader's die of it. The device is
-    only the choice of start method here: "cuda" stands for a GPU rank."""
+    the fork server and resource tracker a GPU rank's use) live on; a plain DataLoader's die
+    of it. The device is only the choice of start method here: "cuda" stands for a GPU rank."""
     device = "cuda" if start == "spawn" else "cpu"  # only a name here: no GPU is touched
     program = PROGRAMS / "loader_workers_under_sigusr1.py"
     proc = subprocess.run([sys.executable, str(program), how, device], capture_output=True,
@@ -121,6 +121,10 @@ def test_loader_workers_survive_slurms_warning_signal(how, start, survives):
         assert (proc.returncode, proc.stdout) == (0, "128 True\n"), proc.stderr
         for symptom in ("killed by signal", "exited unexpectedly", "Traceback", "leaked"):
             assert symptom not in proc.stderr, proc.stderr
+        # The script ran its imports in the trainer. On a GPU its two workers run its top level
+        # again, as forks of a fork server that imported torch: not importing it each.
+        assert proc.stderr.count("torch not imported") == 1, proc.stderr
+        assert proc.stderr.count("torch already imported") == (2 if start == "spawn" else 0)
     else:
         # The workers die; how the main process learns it varies (a worker-killed error, or a
         # reset connection while a batch was in flight), but the run always fails.

@@ -138,7 +138,8 @@ def make_loader(dataset: Dataset, sampler: Sampler, *, batch_size: int, workers:
                 device: torch.device, drop_last: bool = False, **extra: Any) -> DataLoader:
     """A DataLoader tuned for training from files: pinned memory on GPUs (asynchronous copies),
     persistent workers (no re-spawn each epoch), started out of reach of Slurm's warning signal
-    (xscale.lifecycle.worker_context: spawned on GPUs, forked on the CPU)."""
+    (xscale.lifecycle.worker_context: forks of a fork server on GPUs, of this process on the
+    CPU)."""
     on_gpu = device.type != "cpu"
     options: dict[str, Any] = dict(extra)
     if workers > 0:

@@ -332,7 +332,7 @@ def _shield_workers(loader: DataLoader) -> DataLoader:
     shielded context (xscale.lifecycle.worker_context) before its workers start; a loader
     without workers has no use for one."""
     inner = getattr(loader, "base_dataloader", loader)
-    shielded = (lifecycle.ShieldedSpawnContext, lifecycle.ShieldedForkContext)
+    shielded = (lifecycle.ShieldedForkServerContext, lifecycle.ShieldedForkContext)
     if inner.num_workers > 0 and not isinstance(inner.multiprocessing_context, shielded):
         spawn = multiprocessing.get_start_method(allow_none=True) == "spawn"
         inner.multiprocessing_context = lifecycle.worker_context(spawn=spawn)

@@ -6,18 +6,23 @@ tests/test_data.py (test_loader_workers_survive_slurms_warning_signal) runs it i
 its own as `loader_workers_under_sigusr1.py HOW DEVICE`: HOW is "xscale" (make_loader) or "plain"
 (a DataLoader with the same start method); DEVICE is only a name ("cuda" stands for a GPU rank,
 which means spawn; "cpu" means fork): no GPU is touched. It prints the samples seen and whether
-the stop flag holds SIGUSR1.
+the stop flag holds SIGUSR1. Its top level says on stderr whether torch was imported before it
+ran: a spawned worker imports it again, a fork of xscale's fork server has it already.
 """
 
 import os
-import signal
 import sys
 
-import torch
-from torch.utils.data import DataLoader, TensorDataset
-from xscale import data, lifecycle
+print(f"top level run: torch {'already' if 'torch' in sys.modules else 'not'} imported",
+      file=sys.stderr, flush=True)
 
-if __name__ == "__main__":  # spawned workers import this file again
+import signal  # noqa: E402  (after the line above, which must see what came before)
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from xscale import data, lifecycle  # noqa: E402
+
+if __name__ == "__main__":  # a spawned worker or a fork server imports this file again
     lifecycle.install_stop_handlers()
     dataset = TensorDataset(torch.arange(64))
     sampler = torch.utils.data.SequentialSampler(dataset)
