@@ -237,9 +237,9 @@ def worker_context(spawn: bool) -> multiprocessing.context.BaseContext:
     ROCm/CUDA runtime already runs threads can leave a worker hanging on a lock held by a
     thread the child does not have (pytorch/pytorch#119845; the LUMI workshop's
     `set_start_method('spawn')`). They are forks of a fork server instead, started here, ahead
-    of them: spawned workers each import the script and torch again (13 s more for two workers
-    of gpt_neo_imdb.py here, 26 s on an H200 node's first step), a fork server once, while the
-    trainer goes on. Fork otherwise: the cheap start.
+    of them: spawned workers each import the script's packages again (13 s of gpt_neo_imdb.py's
+    first step with two workers here, likely most of its 26-29 s first step on an H200), a fork
+    server once, while the trainer goes on. Fork otherwise: the cheap start.
     """
     if spawn:
         shield_resource_tracker()  # the workers' queues and locks register with it
