@@ -505,6 +505,10 @@ FAULTS = {
     "killed": ({"DIE_AT": "31", "DIE_HOW": "kill"}, 30),
     "frozen-in-an-exchange": ({"DIE_AT": "30", "DIE_MICRO": "-1", "DIE_HOW": "stop"}, 20),
 }
+# A frozen rank is noticed by its silence; a killed one by its closed link, so its test waits
+# longer for silence: on a loaded machine a rank starting DeepSpeed once sent nothing for 6 s,
+# and the coordinator took it for lost before any rank was in its loop.
+HEARTBEAT_S = {"killed": 30.0, "frozen-in-an-exchange": 6.0}
 
 
 @pytest.mark.parametrize("kind, fault", [("fsdp", "frozen-in-an-exchange"),
@@ -530,7 +534,8 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
     def env(rank: int, store, **extra: str) -> dict[str, str]:
         values = client_env(rank, 3, store, SLURMD_NODENAME=f"n{rank}", MAX_STEPS=str(steps),
                             XSCALE_SNAPSHOT_EVERY="10", DS_ACCELERATOR="cpu",
-                            TORCH_EXTENSIONS_DIR=str(torch_extensions()), XSCALE_HEARTBEAT_S="6",
+                            TORCH_EXTENSIONS_DIR=str(torch_extensions()),
+                            XSCALE_HEARTBEAT_S=str(HEARTBEAT_S[fault]),
                             **model, **extra)
         values.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank), NNODES="3")
         return values
@@ -546,7 +551,8 @@ def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path
                                 REPO, (*PRELOAD, *preload), env(0, uninterrupted_store))
     reference = results_of([(run.returncode, run.stdout, run.stderr)
                             for run in uninterrupted.results(timeout=120)])
-    coordinator = host_side.Coordinator(3, replace, lambda why: None, heartbeat_s=6.0)
+    coordinator = host_side.Coordinator(3, replace, lambda why: None,
+                                        heartbeat_s=HEARTBEAT_S[fault])
     coordinator.start()
     ranks = ForkedRanks([([str(PROGRAM), str(tmp_path / "live")],
                           env(rank, live_store, XSCALE_RECOVERY=coordinator.address,
