@@ -394,9 +394,12 @@ def test_a_rank_that_exits_3_is_named_first_and_its_job_is_neither_restarted_nor
     knock_on = next(line for line in report if line.startswith("xscale: knock-on"))
     assert knock_on.startswith("xscale: knock-on: 5 ranks ended after it"), knock_on
     # Each ended on the coordinator's word (live recovery is not possible: exit status 75).
+    # srun names a node's tasks together ("tasks 0-1") only when they ended together.
     named = [part.partition(" on ")[0].split()[-1] for part in knock_on.split("; ")]
-    assert sorted(named) == ["0-1", "3", "4-5"], knock_on
-    assert knock_on.count("exited with exit code 75") == 3, knock_on
+    ranks = [rank for name in named for first, _, last in [name.partition("-")]
+             for rank in range(int(first), int(last or first) + 1)]
+    assert sorted(ranks) == [0, 1, 3, 4, 5], knock_on
+    assert knock_on.count("exited with exit code 75") == len(named), knock_on
     assert report[-2].startswith("xscale: blame: no node"), text[-3000:]
     assert report[-1].startswith("xscale: goodput: "), text[-3000:]  # as the job ends
     assert (state, job_fields(job_id)["Restarts"]) == ("FAILED", "0")
@@ -669,14 +672,16 @@ def test_a_killed_rank_starts_again_on_its_own_node_and_the_others_train_on(
         node = job_processes(job_id)[before[3]]["SLURMD_NODENAME"]
         killed_at = time.time()
         os.kill(before[3], signal.SIGKILL)
-        wait_for(lambda: "rank 3 started again on its node" in output.read_text(), 120,
+        wait_for(lambda: "rank 3 started again on its node" in output.read_text(errors="replace"),
+                 120,
                  "the rank started again")
         after = trainer_pids(job_id)
         restarted_on = job_processes(job_id)[after[3]]["SLURMD_NODENAME"]
         state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)
-    text = output.read_text()
+    # Six tasks share the file: a line cut by another's write may split a character.
+    text = output.read_text(errors="replace")
     assert state == "COMPLETED", text[-4000:]
     leaves = [line for line in text.splitlines() if "every rank leaves" in line]
     # Whichever the coordinator hears first: rank 3's link closing, or a peer's collective
