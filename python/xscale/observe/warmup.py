@@ -33,12 +33,13 @@ class WarmUp:
 
     def step(self) -> bool:
         """True when the steps from this one's end on are the ones measured."""
+        if self._settled:  # every step from here is measured: dynamo is not read again
+            return False
         self._done += 1
         seen, self._seen = self._seen, compiled_graphs()
-        compiled = self._seen != seen
-        if self._done < self.steps or self._settled:
+        if self._done < self.steps:
             return False
-        if self._done == self.steps or compiled:
+        if self._done == self.steps or self._seen != seen:
             return True
         self._settled = True
         return False
