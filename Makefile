@@ -49,10 +49,11 @@ lint: setup
 	$(VENV)/bin/ruff check python tests runscripts jobs $(PYTHON_SCRIPTS)
 
 # One pytest run for everything (the bats suites run from tests/test_bats.py), so CI reads one
-# closing line. Two workers: the cluster tests in one, in order (tests/conftest.py groups them),
-# the host-only tests in the other.
+# closing line. Three workers: the cluster tests in one, in order (tests/conftest.py groups them),
+# the host-only tests in the other two, niced; they use the CPU the cluster tests leave idle while
+# they wait for Slurm, timeouts and faults, on both cores (docs/TESTBED.md, "What a test costs here").
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests
 
 unit: setup
 	$(PY) -m pytest -q tests -m "not cluster"

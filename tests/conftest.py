@@ -237,9 +237,9 @@ def cluster() -> Cluster:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that uses the cluster, so `make unit` can leave them out, and put them in
-    one xdist group: they share four nodes and break them on purpose, so under `pytest -n 2
+    one xdist group: they share four nodes and break them on purpose, so under `pytest -n 3
     --dist loadgroup` (make test) they run one after another in one worker, while the other
-    worker runs the host-only tests in the time the cluster tests wait for Slurm.
+    workers run the host-only tests in the time the cluster tests wait for Slurm.
 
     The cluster tests come first: their one group is the suite's longest path, and xdist hands
     out work in collection order, so it starts at once rather than after the host-only tests
