@@ -25,10 +25,11 @@ import pytest
 
 from tests.conftest import REPO, tool_env
 from tests.fixtures.mnist_idx import write_mnist
-from tests.helpers import check_summary_schema, rank_records, tagged_records, wait_for
+from tests.helpers import check_summary_schema, host_module, rank_records, tagged_records, wait_for
 from tests.helpers import summary as summary_of
 from tests.test_jobs import VIRTUAL, virtual_env
 
+hostlist = host_module("shared").hostlist  # runscripts/lib/hostlist.py, as the supervisor has it
 THROWAWAY_USER = "xscale-other"
 
 
@@ -396,8 +397,7 @@ def test_a_rank_that_exits_3_is_named_first_and_its_job_is_neither_restarted_nor
     # Each ended on the coordinator's word (live recovery is not possible: exit status 75).
     # srun names a node's tasks together ("tasks 0-1") only when they ended together.
     named = [part.partition(" on ")[0].split()[-1] for part in knock_on.split("; ")]
-    ranks = [rank for name in named for first, _, last in [name.partition("-")]
-             for rank in range(int(first), int(last or first) + 1)]
+    ranks = [rank for name in named for rank in hostlist.expand_numbers(name)]
     assert sorted(ranks) == [0, 1, 3, 4, 5], knock_on
     assert knock_on.count("exited with exit code 75") == len(named), knock_on
     assert report[-2].startswith("xscale: blame: no node"), text[-3000:]
@@ -673,8 +673,7 @@ def test_a_killed_rank_starts_again_on_its_own_node_and_the_others_train_on(
         killed_at = time.time()
         os.kill(before[3], signal.SIGKILL)
         wait_for(lambda: "rank 3 started again on its node" in output.read_text(errors="replace"),
-                 120,
-                 "the rank started again")
+                 120, "the rank started again")
         after = trainer_pids(job_id)
         restarted_on = job_processes(job_id)[after[3]]["SLURMD_NODENAME"]
         state = cluster.wait_state(job_id, {"FAILED", "COMPLETED", "CANCELLED"}, 300)
