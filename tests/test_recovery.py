@@ -172,8 +172,8 @@ def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_with_the_same
     the samples an uninterrupted run of three trains, none twice or skipped, and applies its
     gradients; the summary says when the world shrank and keeps the global batch. Then rank 2
     is killed on its own (its node-mate lives): the coordinator starts it again on n0 by its
-    launch number, it joins as rank 1 of the two, takes its share, and the two replicas end
-    equal, every step with the uninterrupted run's gradients."""
+    launch number, it joins as rank 1 of the two, takes its share and the record of the shrink,
+    and the two replicas end equal, every step with the uninterrupted run's gradients."""
     host_side = host_module("coordinator")
     store, again_at, nodes = hosted_store(3), 50, ["n0", "n1", "n0"]
 
@@ -230,6 +230,12 @@ def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_with_the_same
     assert (summary["world_size"], summary["global_batch_size"]) == (2, 48), summary
     (shrink,) = summary["shrinks"]
     assert (shrink["step"], shrink["world_size"], shrink["nodes"]) == (DIE_AT, 2, 1), summary
+    # The process started again after the shrink knows of it from the source's position (a
+    # rank 0 started again so writes it in its summary), and how long the world has been smaller.
+    (known,) = records[1]["shrinks"]
+    assert {key: known[key] for key in ("step", "world_size", "nodes")} == \
+        {key: shrink[key] for key in ("step", "world_size", "nodes")}, records[1]
+    assert known["seconds"] == pytest.approx(shrink["seconds"], abs=2.0), (known, shrink)
     assert coordinator.finished(wait_s=5.0)
 
 

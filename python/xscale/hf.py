@@ -647,6 +647,7 @@ class TrainerPlace(NamedTuple):
     scaler: dict | None
     save_every: int | None
     nnodes: int  # the nodes the world trains on (fewer than the launch's after a shrink)
+    shrinks: tuple[tuple[int, int, int, float], ...] = ()  # runtime.Shrinks.handed()
 
 
 class _TrainingDone(Exception):
@@ -724,6 +725,7 @@ class _LiveSteps(TrainerCallback):
                       f"{cannot}", flush=True)
         if self.live is not None and self.live.link.joining:
             self._place = self.live.receive()
+            trainer.shrinks.take(self._place.shrinks)
             raise _Rejoin()
 
     def before_micro_batch(self) -> None:
@@ -774,6 +776,7 @@ class _LiveSteps(TrainerCallback):
         if self._place is None:  # a survivor
             recovered = self.live.recover(self._here())
             self._place = recovered.position
+            trainer.shrinks.take(self._place.shrinks)
             if dist.get_world_size() != trainer.ctx.world_size:
                 self._go_on_smaller(self._place.step, launch_world)
             if trainer.ctx.is_main:
@@ -818,7 +821,7 @@ class _LiveSteps(TrainerCallback):
                             scheduler=trainer.lr_scheduler.state_dict(),
                             scaler=None if scaler is None else scaler.state_dict(),
                             save_every=None if auto is None else auto.every,
-                            nnodes=trainer.ctx.nnodes)
+                            nnodes=trainer.ctx.nnodes, shrinks=trainer.shrinks.handed())
 
     def holds(self, checkpoint: str | None) -> bool:
         """Whether CHECKPOINT is the folder that stands for the state in memory."""

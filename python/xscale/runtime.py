@@ -232,6 +232,20 @@ class Shrinks:
     def went_on(self, step: int, world_size: int, nodes: int) -> None:
         self._worlds.append((step, world_size, nodes, time.perf_counter()))
 
+    def handed(self) -> tuple[tuple[int, int, int, float], ...]:
+        """Each smaller world so far, as a position hands it to another process: its step,
+        ranks, nodes, and how many seconds ago it began (clocks are not shared)."""
+        now = time.perf_counter()
+        return tuple((step, world_size, nodes, now - since)
+                     for step, world_size, nodes, since in self._worlds)
+
+    def take(self, handed: tuple[tuple[int, int, int, float], ...]) -> None:
+        """Go on with the source rank's worlds (handed): a rank started again after a shrink
+        has none of its own, and its summary (rank 0's) must say when the run shrank."""
+        now = time.perf_counter()
+        self._worlds = [(step, world_size, nodes, now - ago)
+                        for step, world_size, nodes, ago in handed]
+
     def done(self) -> list[dict[str, Any]] | None:
         """From which step, its ranks and nodes, and the seconds it trained so (until the next,
         or the end); None: the run never shrank."""
@@ -489,13 +503,13 @@ class Loop:
         self.log = runlog.TrainLog(is_main=ctx.is_main, start_step=self.start_step,
                                    total_steps=self.end_step, log_every=config.log_every,
                                    tensorboard_dir=tensorboard_dir, desc=self.trainer)
+        self.shrinks = Shrinks()
         if received is not None:
             self._take_position(received)
         self.window = profile_window.window_from_env(ctx.rank, ctx.device)
         self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
                                            say=self.log.message)
         self.stragglers.micro_batches = self.micro_batches  # more than another's, in a share
-        self.shrinks = Shrinks()
         self._script_reads: set[str] = set()  # which of boundary, sync_gradients
         if resumed is not None:
             self.message(f"{self.prog}: resuming from step {resumed} in {self.output_dir}")
@@ -765,7 +779,8 @@ class Loop:
             step=self.step, log_from=self.log.start_step, saved_step=self.saved_step,
             saved_path=None if self.saved_path is None else str(self.saved_path),
             checkpoint_every=self.checkpoint_every, auto_every=self.auto_every,
-            scheduler=self._schedules[0], scaler=self._schedules[1], nnodes=self.ctx.nnodes)
+            scheduler=self._schedules[0], scaler=self._schedules[1], nnodes=self.ctx.nnodes,
+            shrinks=self.shrinks.handed())
 
     def _take_position(self, position: Position) -> None:
         """Go on from POSITION, the source rank's: its step (the model is the source's), so
@@ -781,6 +796,7 @@ class Loop:
         self.log.start_step = position.log_from
         self._micro = self._handed_out = 0
         self._voted_at = None  # a vote cut short counts as none, on every rank alike
+        self.shrinks.take(position.shrinks)
         self._moved = True
 
     def _keep_schedules(self) -> None:

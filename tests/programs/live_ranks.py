@@ -283,7 +283,8 @@ def main() -> None:
                                   "started_at": watch.started_at, "steps": watch.loop.step,
                                   "digest": result, "trained": watch.trained,
                                   "gradients": watch.gradients,
-                                  "evaluated": watch.evaluated}),
+                                  "evaluated": watch.evaluated,
+                                  "shrinks": watch.loop.shrinks.done()}),
           flush=True)
     if not PREPARED:
         watch.loop.report()  # prepare's loop wrote its summary at its last step

@@ -29,8 +29,8 @@ class Position:
     its newest checkpoint and its checkpoint interval (auto_every: not yet decided), the
     state dicts of its LR scheduler and GradScaler (None: the loop has none), which the script
     steps with the optimizer: a replacement's start at step 0, a rollback's at the later step;
-    and the nodes the world trains on (fewer than the launch's after a shrink: a rank started
-    again there takes the number)."""
+    the nodes the world trains on (fewer than the launch's after a shrink: a rank started
+    again there takes the number), and the smaller worlds so far (its summary names them)."""
 
     step: int
     log_from: int
@@ -41,6 +41,7 @@ class Position:
     scheduler: dict | None = None
     scaler: dict | None = None
     nnodes: int | None = None
+    shrinks: tuple[tuple[int, int, int, float], ...] = ()  # runtime.Shrinks.handed()
 
 
 class StateSize(NamedTuple):
