@@ -4,9 +4,11 @@ Slurm's warning signal."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 from xscale import data
@@ -49,6 +51,46 @@ def test_a_resumed_run_sees_the_batches_the_uninterrupted_run_would_have():
     torch.manual_seed(9)
     assert batches(0, 7) + batches(7, 12) == whole
     assert whole[0][2] != whole[5][2]  # each epoch reshuffled
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each sample with what an augmentation draws from torch's, Python's and NumPy's
+    generators."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, index: int) -> list[float]:
+        return [index, torch.rand(()).item(), random.random(), numpy.random.rand()]
+
+
+def test_a_sample_draws_the_same_after_a_resume_with_any_workers_and_anew_each_epoch():
+    """What a training sample draws (xscale.data.SeededSamples) follows from the run's seed,
+    the epoch and the sample: a run resumed mid-epoch, with two workers or none, draws what
+    the uninterrupted run with one worker drew, the next epoch draws anew, and in the main
+    process (no workers) the training's own generator does not move."""
+    dataset = Augmented()
+
+    def drawn(start: int, stop: int, workers: int) -> list[list[float]]:
+        sampler = data.ResumableSampler(dataset, num_replicas=2, rank=1, seed=3)
+        loader = data.make_loader(dataset, sampler, batch_size=4, workers=workers,
+                                  device=torch.device("cpu"), drop_last=True)
+        return [sample for _, _, batch in data.train_batches(
+                    loader, sampler, start_step=start, epochs=None, max_steps=stop)
+                for sample in torch.stack(batch, dim=1).tolist()]
+
+    whole = drawn(0, 12, workers=1)  # 6 steps an epoch
+    assert drawn(0, 4, workers=0) + drawn(4, 12, workers=2) == whole
+    by_epoch = [{sample[0]: sample[1:] for sample in whole[start:start + 24]}
+                for start in (0, 24)]
+    again = by_epoch[0].keys() & by_epoch[1].keys()  # in this rank's half both times
+    assert len(again) >= 6, by_epoch
+    assert all(by_epoch[0][index][i] != by_epoch[1][index][i] for index in again for i in range(3))
+    torch.manual_seed(9)
+    expected = torch.rand(1)
+    torch.manual_seed(9)
+    drawn(0, 2, workers=0)
+    assert torch.rand(1) == expected
 
 
 def test_accumulated_steps_resume_at_the_same_micro_batch():

@@ -8,12 +8,14 @@ repeated samples, so counts summed over ranks are exactly the data set.
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from xscale.dist import DistContext
 from xscale.lifecycle import UserError, worker_context
@@ -82,6 +84,7 @@ class ResumableSampler(DistributedSampler):
                          seed=seed, drop_last=True)
         self.skip = 0
         self.share: Share | None = None
+        self.keyed = False  # yield (index, the sample's seed), for SeededSamples
 
     def set_position(self, epoch: int, skip: int = 0) -> None:
         """EPOCH, after SKIP samples of this rank's (of the launch's rank's, under a share:
@@ -105,7 +108,13 @@ class ResumableSampler(DistributedSampler):
             order = list(range(len(self.dataset)))
         return order[:self.total_size]
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
+        indices = self._indices()
+        if not self.keyed:
+            return indices
+        return ((index, sample_seed(self.seed, self.epoch, index)) for index in indices)
+
+    def _indices(self) -> Iterator[int]:
         order = self.epoch_order()
         if self.share is None:
             return iter(order[self.rank::self.num_replicas][self.skip:])
@@ -119,6 +128,59 @@ class ResumableSampler(DistributedSampler):
         share = self.share
         steps = self.num_samples // share.per_step - self.skip // share.per_step
         return steps * len(share.micro_batches) * share.batch_size
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of what sample INDEX draws in EPOCH of a run seeded SEED (a 63-bit mix: nearby
+    indices and epochs get unrelated seeds)."""
+    mixed = seed * 0x9E3779B97F4A7C15 ^ epoch * 0xBF58476D1CE4E5B9 ^ index * 0x94D049BB133111EB
+    return mixed % (1 << 63)
+
+
+class SeededSamples(Dataset):
+    """DATASET whose every training sample draws its randomness (a random crop, a flip) from
+    a seed of its own, which follows from the run's seed, the epoch and the sample's index
+    (ResumableSampler's keys, `keyed`): a sample draws the same in a resumed run, after a live
+    recovery's rollback, in a smaller world and with any number of DataLoader workers, where a
+    worker's generators would otherwise go on from a seed drawn as it started; a new epoch
+    draws anew. torch's (on the CPU), Python's and NumPy's generators are seeded, as torch
+    seeds a worker's; in the main process (no workers) torch's is put back after the sample,
+    so that the training's own draws (dropout) do not move. A plain index passes through."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> Any:
+        if not isinstance(key, tuple):
+            return self.dataset[key]
+        index, seed = key
+        if get_worker_info() is not None:  # a worker's generators serve nothing else
+            _seed_generators(seed)
+            return self.dataset[index]
+        kept = torch.get_rng_state()
+        _seed_generators(seed)
+        try:
+            return self.dataset[index]
+        finally:
+            torch.set_rng_state(kept)
+
+    def __getattr__(self, name: str) -> Any:
+        """The data set's own attributes (an ImageFolder's `classes`)."""
+        if name == "dataset":  # not yet set (unpickling in a worker)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def _seed_generators(seed: int) -> None:
+    """About 14 us: torch.manual_seed would take 130 (it seeds every accelerator too)."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")  # only where something imported it
+    if numpy is not None:
+        numpy.random.seed(seed % (1 << 32))
 
 
 class ShardSampler(Sampler[int]):
@@ -139,9 +201,12 @@ def make_loader(dataset: Dataset, sampler: Sampler, *, batch_size: int, workers:
     """A DataLoader tuned for training from files: pinned memory on GPUs (asynchronous copies),
     persistent workers (no re-spawn each epoch), started out of reach of Slurm's warning signal
     (xscale.lifecycle.worker_context: forks of a fork server on GPUs, of this process on the
-    CPU)."""
+    CPU); under a ResumableSampler, each sample seeded by its epoch and index (SeededSamples)."""
     on_gpu = device.type != "cpu"
     options: dict[str, Any] = dict(extra)
+    if isinstance(sampler, ResumableSampler):  # training: each sample's randomness its own
+        sampler.keyed = True
+        dataset = SeededSamples(dataset)
     if workers > 0:
         options["persistent_workers"] = True
         options["prefetch_factor"] = 4
