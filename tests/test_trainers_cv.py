@@ -339,10 +339,15 @@ def test_a_stop_signal_to_one_rank_stops_all_at_the_same_step_with_a_checkpoint(
 
 
 def test_imagenet_trains_from_a_tarball_staged_once_per_node(images, tmp_path):
+    """Staged once per node, trained with random crops and flips by two DataLoader workers a
+    rank; then resumed from the step-3 checkpoint with none: each sample draws the crop and
+    flip it drew the first time (xscale.data.SeededSamples), and the run ends with the
+    uninterrupted run's weights, to the bit."""
     _, tarball = images
-    stage = tmp_path / "node-local"
-    codes, stdout, stderr = run_ranks(2, IMAGENET, *VISION_TINY, "--max-steps", "6",
-                                      "--stage-tar", str(tarball), "--stage-dir", str(stage))
+    stage, out = tmp_path / "node-local", tmp_path / "out"
+    common = [IMAGENET, *VISION_TINY, "--max-steps", "6", "--stage-tar", str(tarball),
+              "--stage-dir", str(stage), "--output-dir", str(out)]
+    codes, stdout, stderr = run_ranks(2, *common, "-j", "2", "--checkpoint-every", "3")
     assert codes == [0, 0], stderr
     record = summary(stdout)
     assert (record["world_size"], record["steps"]) == (2, 6)
@@ -351,6 +356,11 @@ def test_imagenet_trains_from_a_tarball_staged_once_per_node(images, tmp_path):
         "*.png"))) == 256
     assert (stage / ".data-resnet-small.staged").is_file()
     assert len(digests(stdout)) == 1
+    (out / "ckpt-000006.pt").unlink()
+    codes, resumed, stderr = run_ranks(2, *common, "-j", "0")
+    assert codes == [0, 0], stderr
+    assert summary(resumed)["start_step"] == 3
+    assert digests(resumed) == digests(stdout)
 
 
 def test_imagenet_with_fsdp_shards_every_rank_writes_and_one_rank_resumes_the_same_weights(
