@@ -68,8 +68,9 @@ def test_a_sample_draws_the_same_after_a_resume_with_any_workers_and_anew_each_e
     """What a training sample draws (xscale.data.SeededSamples) follows from the run's seed,
     the epoch and the sample: a run resumed mid-epoch, with two workers or none, draws what
     the uninterrupted run with one worker drew, the next epoch draws anew, and in the main
-    process (no workers) the training's own generator does not move."""
-    dataset = Augmented()
+    process (no workers) the training's own generator does not move. The data set is a Subset,
+    as random_split makes: one with a batch-wise __getitems__."""
+    dataset = torch.utils.data.Subset(Augmented(), range(48))
 
     def drawn(start: int, stop: int, workers: int) -> list[list[float]]:
         sampler = data.ResumableSampler(dataset, num_replicas=2, rank=1, seed=3)

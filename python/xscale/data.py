@@ -168,8 +168,9 @@ class SeededSamples(Dataset):
             torch.set_rng_state(kept)
 
     def __getattr__(self, name: str) -> Any:
-        """The data set's own attributes (an ImageFolder's `classes`)."""
-        if name == "dataset":  # not yet set (unpickling in a worker)
+        """The data set's own attributes (an ImageFolder's `classes`), but none of its special
+        methods: its `__getitems__` (a Subset's) would be given the keys, which are ours."""
+        if name == "dataset" or name.startswith("__"):  # `dataset`: not yet set (unpickling)
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
