@@ -145,7 +145,7 @@ class SeededSamples(Dataset):
     worker's generators would otherwise go on from a seed drawn as it started; a new epoch
     draws anew. torch's (on the CPU), Python's and NumPy's generators are seeded, as torch
     seeds a worker's; in the main process (no workers) torch's is put back after the sample,
-    so that the training's own draws (dropout) do not move. A plain index passes through."""
+    so that the training's own draws (dropout) do not move."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -153,9 +153,7 @@ class SeededSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> Any:
-        if not isinstance(key, tuple):
-            return self.dataset[key]
+    def __getitem__(self, key: tuple[int, int]) -> Any:
         index, seed = key
         if get_worker_info() is not None:  # a worker's generators serve nothing else
             _seed_generators(seed)
@@ -207,7 +205,8 @@ def make_loader(dataset: Dataset, sampler: Sampler, *, batch_size: int, workers:
     options: dict[str, Any] = dict(extra)
     if isinstance(sampler, ResumableSampler):  # training: each sample's randomness its own
         sampler.keyed = True
-        dataset = SeededSamples(dataset)
+        if not isinstance(dataset, SeededSamples):  # xscale.prepare given xscale.loader's
+            dataset = SeededSamples(dataset)
     if workers > 0:
         options["persistent_workers"] = True
         options["prefetch_factor"] = 4
