@@ -143,6 +143,22 @@ def step_time_fields(breakdowns: list[tuple[int, steptime.Breakdown]]) -> dict:
             "step_time_ranks": step_time.ranks()}
 
 
+def test_in_a_jobs_output_the_bar_is_drawn_as_lines_that_srun_label_never_cuts(capsys):
+    # capsys's stderr is not a terminal, as a batch job's is not. Drawn in place, a run's drawings
+    # made one line, which srun --label cut inside a character (CI, 2026-11-30).
+    log = runlog.TrainLog(is_main=True, start_step=0, total_steps=200)
+    for _ in range(200):
+        log.advance()
+    log.message("checkpoint saved")
+    log.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.isascii(), repr(err[:200])
+    lines = err.splitlines()
+    assert "checkpoint saved" in lines
+    assert "200/200" in lines[-1], lines
+    assert all(len(labelled(line, 100_000).encode()) < taglines.SRUN_LABEL_CUT for line in lines)
+
+
 def labelled(line: str, ranks: int) -> str:
     """The line as srun --label prints it: rank 0, as wide as the job's largest rank."""
     return f"{0:>{len(str(ranks - 1))}}: {line}"

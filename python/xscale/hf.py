@@ -28,7 +28,13 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, PredictionOutput, TrainOutput
+from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    PredictionOutput,
+    TrainOutput,
+    has_length,
+)
 
 from xscale import data, lifecycle, runtime
 from xscale.dist import (
@@ -40,7 +46,7 @@ from xscale.dist import (
     read_placement,
     timeout_from_env,
 )
-from xscale.observe import profile_window, startup, stragglers
+from xscale.observe import profile_window, runlog, startup, stragglers
 from xscale.observe.throughput import Throughput
 from xscale.recovery import ddp as ddp_recovery
 from xscale.recovery import link as links
@@ -113,6 +119,8 @@ class XscaleTrainer(Trainer):
                  report_at_end: bool = True, name: str | None = None, **kwargs: Any) -> None:
         lifecycle.install_stop_handlers()  # Slurm's warning while Trainer sets up: a stop
         super().__init__(*args, **kwargs)
+        if self.pop_callback(ProgressCallback) is not None:  # None: disable_tqdm
+            self.add_callback(_ProgressLines)
         _load_cpu_ranks_on_the_cpu()
         self.ctx = runtime.joined(self.args.device)  # Trainer's arguments joined it
         reach_coordinator()  # where xscale.hf was imported after the group was joined
@@ -424,6 +432,24 @@ def _drawing(loader: DataLoader, batch_sampler: BatchSampler) -> DataLoader:
     return DataLoaderShard(loader.dataset, device=loader.device, rng_types=loader.rng_types,
                            synchronized_generator=loader.synchronized_generator,
                            iteration=loader.iteration, batch_sampler=batch_sampler, **kwargs)
+
+
+class _ProgressLines(ProgressCallback):
+    """Trainer's progress bars, drawn as lines in a job's output (xscale.observe.runlog.LogLines):
+    in place, a long run's drawings make one line that srun --label cuts inside characters."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.training_bar = runlog.progress_bar(total=state.max_steps, dynamic_ncols=True)
+        self.current_step = 0
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if state.is_world_process_zero and self.prediction_bar is None \
+                and has_length(eval_dataloader):
+            self.prediction_bar = runlog.progress_bar(
+                total=len(eval_dataloader), leave=self.training_bar is None, dynamic_ncols=True)
+        super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader,
+                                   **kwargs)
 
 
 class _AutoSaveSteps:

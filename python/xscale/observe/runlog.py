@@ -68,6 +68,37 @@ LEFT_OUT_NEXT = ("straggler", "summary_file")
 
 # ---- what a person watches -------------------------------------------------------------------
 
+# Where stderr is a file or a pipe (a batch job's output), the bar is drawn as a line this often.
+LOG_LINE_EVERY_S = 30.0
+
+
+class LogLines:
+    """The bar's stream where stderr is not a terminal: each drawing of the bar a line of its own.
+
+    tqdm redraws in place, '\\r' and no newline, so in a job's output all of a run's drawings make
+    one line. srun --label cuts that line every 1024 bytes and puts the task's label in the cut,
+    which can fall inside a character: the output is then not even valid UTF-8."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        drawn = text.replace("\r", "").strip()  # tqdm pads a shorter drawing with spaces
+        if drawn:  # not tqdm's erasures (spaces) or its last newline
+            self.stream.write(drawn + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress_bar(**options: Any) -> tqdm:
+    """tqdm(**options); where stderr is not a terminal, drawn as lines (LogLines) in ASCII every
+    LOG_LINE_EVERY_S instead, whatever `options` say of the drawing."""
+    if not sys.stderr.isatty():
+        options.update(file=LogLines(sys.stderr), mininterval=LOG_LINE_EVERY_S, ascii=True)
+    return tqdm(**options)
+
+
 
 class TrainLog:
     """The job's mean loss every `log_every` steps (and after the first), a tqdm bar and
@@ -84,9 +115,9 @@ class TrainLog:
         self.loss_first: float | None = None
         self.loss_last: float | None = None
         self._window = SumMeter()
-        self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
-                         disable=not is_main, file=sys.stderr, dynamic_ncols=True,
-                         mininterval=1.0)
+        self._bar = progress_bar(total=total_steps, initial=start_step, desc=desc, unit="step",
+                                 disable=not is_main, file=sys.stderr, dynamic_ncols=True,
+                                 mininterval=1.0)
         self._writer: Any = None
         if is_main and tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # rank 0 only: a slow import
