@@ -350,6 +350,33 @@ def test_trainers_ranks_left_draw_each_step_the_batches_the_launchs_ranks_would_
     assert launch[0][0] != launch[0][1]  # the epochs are shuffled apart
 
 
+def test_trainers_keyed_batches_are_accelerates_each_index_with_its_epochs_seed():
+    """XscaleTrainer's batch sampler on one of two ranks (hf._KeyedBatches): the batches
+    accelerate deals that rank, each index with its seed for the epoch the loader sets, which
+    still reaches accelerate's sampler and orders its pass."""
+    import torch
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderShard, SeedableRandomSampler
+    from torch.utils.data import BatchSampler
+    from xscale import data, hf
+
+    def shard(rank: int) -> tuple[SeedableRandomSampler, BatchSamplerShard]:
+        sampler = SeedableRandomSampler(data_source=range(20), data_seed=7,
+                                        generator=torch.Generator())
+        return sampler, BatchSamplerShard(BatchSampler(sampler, 3, drop_last=False), 2, rank)
+
+    for rank in range(2):
+        sampler, dealt = shard(rank)
+        keyed = hf._KeyedBatches(shard(rank)[1], seed=11)
+        loader = DataLoaderShard(data.SeededSamples(list(range(20))), batch_sampler=keyed)
+        for epoch in range(2):
+            loader.set_epoch(epoch)  # as Trainer does at each epoch, and the loader each pass
+            sampler.set_epoch(epoch)
+            assert keyed.batch_sampler.sampler.epoch == epoch
+            assert list(keyed) == [[(index, data.sample_seed(11, epoch, index)) for index in batch]
+                                   for batch in dealt]
+        assert loader.total_batch_size == 6 and len(loader) == len(dealt)
+
+
 def test_a_trainer_run_says_why_it_cannot_go_on_in_a_smaller_world():
     """What rank 0 prints at the start of a live-recovered Trainer run that could not go on
     without a lost node (xscale.hf._cannot_shrink), and None where it can: accelerate's dealing
@@ -400,6 +427,26 @@ def test_a_trainer_run_again_after_its_last_step_trains_no_step_more(tmp_path: P
     first, again = tagged_records(output, "XSCALE_SUMMARY")
     assert (first["start_step"], first["steps"]) == (0, 2), first
     assert (again["start_step"], again["steps"], again["loss_last"]) == (2, 2, None), again
+
+
+def test_trainers_samples_draw_the_same_after_a_resume_with_any_workers(tmp_path: Path):
+    """A sample's augmentation, drawn in Trainer's DataLoader workers from torch's and Python's
+    generators, is the same when the run resumes from a checkpoint with no workers, and the
+    weights too, to the bit; Trainer alone draws others (its workers' generators go on from
+    seeds drawn as they start). Each epoch draws anew. A Hugging Face data set with no transform
+    draws nothing and is read as before (tests/programs/trainer_seeded_samples.py)."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "XSCALE_BACKEND")}
+    run = subprocess.run([sys.executable, str(REPO / "tests/programs/trainer_seeded_samples.py"),
+                          str(tmp_path)], capture_output=True, text=True, env=env, timeout=300,
+                         check=False)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    [result] = tagged_records(output, "RESULT")
+    resumed = {"resumed_steps": [3, 4, 5, 6, 7], "anew_each_epoch": True}
+    assert result["XscaleTrainer"] == {**resumed, "same_draws": True, "same_weights": True}
+    assert result["Trainer"] == {**resumed, "same_draws": False, "same_weights": False}
+    assert result["seeded"] == {"torch": True, "hf_stored": False, "hf_transformed": True}
 
 
 def test_save_steps_auto_asks_for_a_timed_save_then_hands_rank_0s_interval_to_every_rank(
