@@ -99,7 +99,6 @@ def progress_bar(**options: Any) -> tqdm:
     return tqdm(**options)
 
 
-
 class TrainLog:
     """The job's mean loss every `log_every` steps (and after the first), a tqdm bar and
     TensorBoard scalars from rank 0. Per-step losses stay on the device; each flush is one small
