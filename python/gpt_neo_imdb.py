@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import math
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -281,6 +282,11 @@ def train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0":  # one set of progress bars per job, not per rank
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
+    elif not sys.stderr.isatty():
+        # In a job's output a bar drawn in place is one line, and srun --label cuts a line every
+        # 1024 bytes: map()'s bars over IMDB's 25,000 reviews make several KB (Trainer's are drawn
+        # as lines, xscale.hf).
+        datasets.disable_progress_bars()
     model_path = resolve_model(args.pretrained_model)
     splits = load_reviews(args.dataset)
     output_dir = os.path.join(args.output_path, args.model_name)
