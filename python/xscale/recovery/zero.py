@@ -37,11 +37,15 @@ model: peer snapshots"), recovered as FSDP2's is (xscale.recovery.fsdp).
   update of zero gradients (the tensors must exist to be loaded into), and loads the copy its
   buddy holds for it.
 
-Not served: ZeRO stage 0 and 3 (stage 3 gathers the weights in the forward, outside the
-step's collectives here), an optimizer offloaded to the CPU or NVMe, and engines with model,
-pipeline, expert or sequence parallel groups. The script calls engine.backward and
-engine.step (a loss.backward() of its own would reduce outside them). DeepSpeed is imported
-only once there is an engine (the script that made it imported DeepSpeed already).
+Not served: ZeRO stage 0 and 3, an optimizer offloaded to the CPU or NVMe, and engines with
+model, pipeline, expert or sequence parallel groups. Stage 3 gathers the weights in the forward
+(a break there leaves DeepSpeed's parameter coordinator with gathers in flight), and a
+replacement's stage-3 engine makes, as it starts, a collective per parameter (DeepSpeed 0.19's
+Init._zero_init_param broadcasts each from rank 0 as it partitions the model) and three
+barriers in its optimizer's set-up, which the survivors would have to mirror call for call.
+The script calls engine.backward and engine.step (a loss.backward() of its own would reduce
+outside them). DeepSpeed is imported only once there is an engine (the script that made it
+imported DeepSpeed already).
 """
 
 from __future__ import annotations
