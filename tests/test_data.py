@@ -94,6 +94,31 @@ def test_a_sample_draws_the_same_after_a_resume_with_any_workers_and_anew_each_e
     assert torch.rand(1) == expected
 
 
+def test_a_hugging_face_data_set_read_as_stored_keeps_its_batched_reads():
+    """A Hugging Face data set with no transform draws nothing: the loader reads it as it is
+    (its batched __getitems__, the sampler yielding plain indices), the same batches; one with
+    a transform (with_transform) has each sample seeded (SeededSamples)."""
+    import datasets
+
+    stored = datasets.Dataset.from_dict({"x": list(range(16))}).with_format("torch")
+    transformed = datasets.Dataset.from_dict({"x": list(range(16))}).with_transform(
+        lambda rows: {"x": [value + random.random() for value in rows["x"]]})
+
+    def made(dataset) -> tuple[torch.utils.data.DataLoader, data.ResumableSampler]:
+        sampler = data.ResumableSampler(dataset, num_replicas=2, rank=0, seed=3)
+        return data.make_loader(dataset, sampler, batch_size=4, workers=0,
+                                device=torch.device("cpu"), drop_last=True), sampler
+
+    loader, sampler = made(stored)
+    assert loader.dataset is stored and not sampler.keyed
+    assert [batch["x"].tolist() for batch in loader] == [
+        [int(index) for index in indices] for indices in zip(*[iter(list(sampler))] * 4,
+                                                             strict=True)]
+    loader, sampler = made(transformed)
+    assert isinstance(loader.dataset, data.SeededSamples) and sampler.keyed
+    assert len([batch["x"] for batch in loader]) == 2
+
+
 def test_accumulated_steps_resume_at_the_same_micro_batch():
     dataset = torch.utils.data.TensorDataset(torch.arange(40))
 

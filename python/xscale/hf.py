@@ -16,7 +16,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -219,7 +218,7 @@ class XscaleTrainer(Trainer):
         batches = loader.batch_sampler
         if self.share is not None:
             batches = _SharedBatches(batches, self.share)
-        if _draws_by_index(loader) and not _read_as_stored(loader.dataset):
+        if _draws_by_index(loader) and not data.read_as_stored(loader.dataset):
             seed = self.args.seed if self.args.data_seed is None else self.args.data_seed
             loader = _drawing(loader, _KeyedBatches(batches, seed),
                               data.SeededSamples(loader.dataset))
@@ -467,16 +466,6 @@ def _draws_by_index(loader: DataLoader) -> bool:
 
     return isinstance(loader, DataLoaderShard) and loader.batch_sampler is not None \
         and not isinstance(loader.dataset, IterableDataset)
-
-
-def _read_as_stored(dataset: Dataset) -> bool:
-    """Whether DATASET is a Hugging Face data set read as it is stored, with no transform set
-    on it (a format's conversion to tensors draws nothing): its samples need no seed of their
-    own, and it keeps its batched reads (29 us a sample here, against 91 for a row at a time
-    with its seed)."""
-    datasets = sys.modules.get("datasets")  # where Trainer was given one, it is imported
-    return datasets is not None and isinstance(dataset, datasets.Dataset) \
-        and dataset.format["type"] != "custom"
 
 
 def _unkeyed(batches: BatchSampler | None) -> BatchSampler | None:
