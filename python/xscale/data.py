@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Iterator, Mapping, Sequence, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,9 +110,7 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
         indices = self._indices()
-        if not self.keyed:
-            return indices
-        return ((index, sample_seed(self.seed, self.epoch, index)) for index in indices)
+        return with_seeds(indices, self.seed, self.epoch) if self.keyed else indices
 
     def _indices(self) -> Iterator[int]:
         order = self.epoch_order()
@@ -135,6 +133,11 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     indices and epochs get unrelated seeds)."""
     mixed = seed * 0x9E3779B97F4A7C15 ^ epoch * 0xBF58476D1CE4E5B9 ^ index * 0x94D049BB133111EB
     return mixed % (1 << 63)
+
+
+def with_seeds(indices: Iterable[int], seed: int, epoch: int) -> Iterator[tuple[int, int]]:
+    """Each of INDICES with the seed its sample draws from in EPOCH: SeededSamples' keys."""
+    return ((index, sample_seed(seed, epoch, index)) for index in indices)
 
 
 class SeededSamples(Dataset):

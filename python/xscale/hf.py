@@ -452,7 +452,7 @@ class _KeyedBatches(BatchSampler):
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch = self.epoch
         for batch in self.batches:
-            yield [(index, data.sample_seed(self.seed, epoch, index)) for index in batch]
+            yield list(data.with_seeds(batch, self.seed, epoch))
 
     def __len__(self) -> int:
         return len(self.batches)
