@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import types
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -291,6 +292,62 @@ def test_a_rank_that_fails_on_its_own_starts_again_on_its_node_until_it_fails_to
     assert all(code not in (0, rank_link.FALLBACK_EXIT) for code in
                [first[1].returncode, *(run.returncode for run in restarts)]), first[1].stderr
     assert len(coordinator.saved()) == 2, coordinator.saved()
+
+
+def test_a_rank_that_fails_on_a_blamed_node_takes_its_node_mates_with_it_to_a_spare():
+    """Ranks 0 and 1 on n0, rank 2 on n1; rank 1's process ends, its node-mate lives, but a
+    line of the launch's output blames n0 (a bad GPU): rank 1 is not started again there.
+    Rank 0 is dismissed (it exits; DISMISS), n0 counts as lost, and the spare takes both
+    ranks; rank 2 goes on. (On the bed, with a real bad-node line: tests/test_failures.py.)"""
+    host_side = host_module("coordinator")
+    why = "n0 is blamed by a line of its ranks' output (lumi.patterns [lumi-hsa-hw-exception])"
+    replaced, gave_up = [], []
+
+    def replace(nodes: list[str], generation: int) -> list[str]:
+        replaced.append((nodes, generation))
+        return ["n9"]
+
+    coordinator = host_side.Coordinator(
+        3, replace, gave_up.append, heartbeat_s=30.0, restart=lambda ranks, generation: None,
+        max_rank_restarts=2, blamed=lambda nodes: {node: why for node in nodes if node == "n0"})
+    coordinator.start()
+    port = int(coordinator.address.rsplit(":", 1)[1])
+
+    def connect(rank: int, node: str, generation: int = 0) -> tuple[socket.socket, Iterator]:
+        connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+        connection.sendall(contract.encode(contract.Hello(rank=rank, node=node, pid=rank,
+                                                          generation=generation))
+                           + contract.encode(contract.Live(shrinks=True)))
+        return connection, contract.read_messages(connection.makefile("rb"))
+
+    ranks = [connect(rank, node) for rank, node in enumerate(["n0", "n0", "n1"])]
+    spares = []
+    try:
+        with coordinator.changed:
+            assert coordinator.changed.wait_for(lambda: len(coordinator.peers) == 3 and all(
+                peer.live for peer in coordinator.peers.values()), timeout=10)
+        ranks[1][0].shutdown(socket.SHUT_RDWR)  # rank 1's process ended (its file keeps it)
+        for rank in (0, 2):
+            assert next(ranks[rank][1]) == contract.Abort(generation=0)
+            ranks[rank][0].sendall(contract.encode(contract.Left(generation=0, step=7)))
+        assert next(ranks[0][1]) == contract.Dismiss(why=why)
+        assert next(ranks[2][1]) == contract.HostStore(generation=1)  # the lowest survivor
+        ranks[2][0].sendall(contract.encode(contract.Store(address=["127.0.0.1", 1])))
+        spares = [connect(rank, "n9", generation=1) for rank in (0, 1)]
+        for connection, messages in (ranks[2], *spares):
+            assert next(messages) == contract.Join(generation=1, store=["127.0.0.1", 1],
+                                                   source=2)
+            connection.sendall(contract.encode(contract.Joined(generation=1)))
+        with coordinator.changed:
+            assert coordinator.changed.wait_for(lambda: coordinator.recoveries, timeout=10)
+    finally:
+        coordinator.stop()
+        for connection, _ in ranks + spares:
+            connection.close()
+    assert (replaced, gave_up) == ([(["n0"], 1)], []), gave_up
+    (entry,) = coordinator.saved()
+    assert {key: entry[key] for key in ("lost", "spares", "restarted", "ranks", "blamed")} == {
+        "lost": ["n0"], "spares": ["n9"], "restarted": [], "ranks": [0, 1], "blamed": ["n0"]}
 
 
 def lost_and_replaced(ranks: ForkedRanks, coordinator) -> list[tuple[int, str, str]]:

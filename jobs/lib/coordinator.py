@@ -15,7 +15,10 @@ Beat for XSCALE_HEARTBEAT_S (a frozen node, which sends nothing at all). Then, i
    on spares, with its rank numbers, if a spare is left. A lost rank whose node-mates left
    failed on its own (the node runs: they answered through it): `restart(ranks, generation)`
    starts it again on its node, unless it failed more than `max_rank_restarts` times at that
-   step (a bug: the launch stops with the first failure's line). No spare left: the survivors
+   step (a bug: the launch stops with the first failure's line), or unless `blamed(nodes)`
+   finds a line of the launch's output that blames its node (a bad GPU): then the node is
+   lost, its other ranks are dismissed (they exit), and the node is replaced or left out as a
+   lost one is. No spare left: the survivors
    go on as a smaller world, renumbered in their order, if every one of them can (it said
    Live with shrinks: its loop deals each step's global batch over the ranks left), rank 0
    is among them and at least `min_nodes` nodes are left.
@@ -106,12 +109,14 @@ class Coordinator:
     give_up(why): end the launch (the fallback). heartbeat_s: how long a rank may be silent.
     max_rank_restarts: how often one rank may fail on its own at one step and start again.
     min_nodes: the fewest nodes a smaller world may train on when no spare is left (0: none is
-    formed)."""
+    formed). blamed(nodes): {node: why} for those of NODES that are no place to start a rank
+    again (the quick health check); none, without it."""
 
     def __init__(self, world_size, replace, give_up, heartbeat_s, restart=None,
-                 max_rank_restarts=0, now=time.monotonic, min_nodes=0):
+                 max_rank_restarts=0, now=time.monotonic, min_nodes=0, blamed=None):
         self.world_size, self.replace, self.give_up = world_size, replace, give_up
         self.restart, self.max_rank_restarts = restart, max_rank_restarts
+        self.blamed = blamed or (lambda nodes: {})
         self.min_nodes = min_nodes
         self.met = set()  # every rank that said Hello, as the launch numbers them
         self.layout = None  # after a shrink: the launch's numbers of the ranks, in rank order
@@ -265,6 +270,15 @@ class Coordinator:
             self.fall_back(refusal)
             return
         on_their_own = self._on_their_own(survivors, lost)
+        blamed = self.blamed(sorted({peer.node for peer in on_their_own})) \
+            if on_their_own else {}
+        if blamed:
+            survivors, lost = self._dismiss(blamed, survivors, lost)
+            on_their_own = [peer for peer in on_their_own if peer.node not in blamed]
+            refusal = self._refusal(survivors, lost)
+            if refusal:
+                self.fall_back(refusal)
+                return
         lost_nodes = sorted({peer.node for peer in lost if peer not in on_their_own})
         self.losing = lost_nodes
         restarted = sorted(self._launch_rank(peer.rank) for peer in on_their_own)
@@ -296,6 +310,7 @@ class Coordinator:
             return
         record = {"generation": generation + 1, "why": why, "lost": lost_nodes,
                   "spares": spares, "restarted": restarted, "ranks": lost_ranks,
+                  "blamed": sorted(blamed),
                   "noticed": round(noticed_at, 3), "left_s": round(launched - noticed, 3),
                   "joined_s": round(joined - noticed, 3)}
         if before is not None:
@@ -349,6 +364,20 @@ class Coordinator:
         runs (the survivor answered the abort through it)."""
         running = {peer.node for peer in survivors}
         return [peer for peer in lost if peer.node in running]
+
+    def _dismiss(self, blamed, survivors, lost):
+        """BLAMED's nodes ({node: why}) are lost with every rank on them: the survivors there
+        are dismissed (they exit). Returns the survivors and the lost ranks after it."""
+        dismissed = [peer for peer in survivors if peer.node in blamed]
+        for node, why in sorted(blamed.items()):
+            ranks = [str(peer.rank) for peer in dismissed if peer.node == node]
+            say("live recovery: %s: the node is lost, and rank%s %s with it" % (
+                why, "s" if len(ranks) > 1 else "", ",".join(ranks)))
+        for peer in dismissed:
+            with self.changed:
+                peer.lost = True  # its connection's end is no news
+            peer.send(contract.Dismiss(why=blamed[peer.node]))
+        return [peer for peer in survivors if peer not in dismissed], lost + dismissed
 
     def _restart_refusal(self, on_their_own, step):
         """Why the ranks that failed on their own at STEP are not started again, or None. One
@@ -536,7 +565,8 @@ class LiveLaunch:
         self.main = None  # the launch's srun, once started
         world_size = len(allocation.launch_nodes) * allocation.per_node
         self.coordinator = Coordinator(world_size, self._replace, self._give_up, heartbeat_s,
-                                       self._restart, max_rank_restarts, min_nodes=min_nodes)
+                                       self._restart, max_rank_restarts, min_nodes=min_nodes,
+                                       blamed=self._blamed)
 
     def start(self):
         self.coordinator.start()
@@ -579,8 +609,8 @@ class LiveLaunch:
         the launch's: None, or why not (the launch's output blames its node)."""
         per_node, nodes = self.allocation.per_node, self.allocation.launch_nodes
         blamed = self._blamed(sorted({nodes[rank // per_node] for rank in ranks}))
-        if blamed:
-            return blamed
+        if blamed:  # a line that came after the coordinator asked (it asks first)
+            return sorted(blamed.values())[0]
         self._clear_flight_records()
         for rank in ranks:
             index, local_rank = divmod(rank, per_node)
@@ -605,21 +635,21 @@ class LiveLaunch:
                     pass
 
     def _blamed(self, nodes):
-        """Why a node of NODES is no place to start a rank again: a line of the launch's
-        output that blames it (the quick health check: its other ranks answered, so it runs),
-        or None."""
+        """{node: why} for the nodes of NODES that are no place to start a rank again: a line
+        of the launch's output blames them (the quick health check: a node whose other ranks
+        answered runs, but a bad GPU there fails the rank started again)."""
         try:
             with open(self.log, errors="replace") as handle:
                 log = failure_report.StepLog(handle)
         except OSError:
-            return None
-        blames = failure_report.pattern_blames(log, self.patterns, nodes,
-                                               self.allocation.launch_placement())
-        if not blames:
-            return None
-        # Not the line itself: every rank repeats the Fallback's words, and they would match.
-        return "%s is blamed by a line of its ranks' output (%s)" % (
-            blames[0].node, blames[0].reason.partition(": ")[0])
+            return {}
+        blamed = {}
+        for blame in failure_report.pattern_blames(log, self.patterns, nodes,
+                                                   self.allocation.launch_placement()):
+            # Not the line itself: the dismissed ranks repeat these words, and would match.
+            blamed.setdefault(blame.node, "%s is blamed by a line of its ranks' output (%s)" % (
+                blame.node, blame.reason.partition(": ")[0]))
+        return blamed
 
     def _start(self, place, what, argv, env):
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -4,9 +4,10 @@ live recovery: what the process-group code (xscale.dist) and the sums over ranks
 
 The link says HELLO, beats, tells the coordinator what this rank sees (its collective broke,
 it left a group, it joined the next, it ended) and hears back ABORT (leave now), HOST_STORE,
-JOIN (the next group's store and the rank whose state every rank takes) and FALLBACK (no live
-recovery: exit). `wait` ends a collective's wait as soon as the group is known broken, so no
-rank sits out a collective timeout for a lost peer. The messages are xscale.shared.contract's.
+JOIN (the next group's store and the rank whose state every rank takes), FALLBACK (no live
+recovery: exit) and DISMISS (this rank's node is lost: exit, the others go on without it).
+`wait` ends a collective's wait as soon as the group is known broken, so no rank sits out a
+collective timeout for a lost peer. The messages are xscale.shared.contract's.
 """
 
 from __future__ import annotations
@@ -171,6 +172,8 @@ class Link:
                     self.joined.set()
                 elif isinstance(received, contract.Fallback):
                     self._exit(received.why)
+                elif isinstance(received, contract.Dismiss):
+                    self._dismissed(received.why)
 
     def _host_store(self) -> None:
         """The next group's store, on this node's address as the batch host sees it (the
@@ -188,6 +191,13 @@ class Link:
     def _exit(self, why: str) -> None:
         if not self.closed:  # else its training is over; the launch ends anyway
             self._leave_process(why)
+
+    def _dismissed(self, why: str) -> NoReturn:
+        """This rank's node is lost to the training (the coordinator's DISMISS): it exits, with
+        status 0 (it failed in nothing), and the others go on without the node."""
+        print(f"xscale: rank {self.rank}: {why}: this rank leaves the training, which goes on "
+              f"without its node", flush=True, file=sys.stderr)
+        os._exit(0)
 
     def _leave_process(self, why: str) -> NoReturn:
         print(f"xscale: rank {self.rank}: live recovery is not possible ({why}); this rank "

@@ -137,9 +137,14 @@ class Fallback(NamedTuple):
     why: str
 
 
+class Dismiss(NamedTuple):
+    why: str  # this rank's node is lost (a line blames it): the rank exits, the others go on
+
+
 MESSAGES = {"hello": Hello, "live": Live, "not_live": NotLive, "beat": Beat, "broken": Broken,
             "left": Left, "store": Store, "joined": Joined, "bye": Bye, "failed": Failed,
-            "abort": Abort, "host_store": HostStore, "join": Join, "fallback": Fallback}
+            "abort": Abort, "host_store": HostStore, "join": Join, "fallback": Fallback,
+            "dismiss": Dismiss}
 KIND_OF = {kind_type: kind for kind, kind_type in MESSAGES.items()}
 
 
