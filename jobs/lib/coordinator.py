@@ -606,11 +606,9 @@ class LiveLaunch:
 
     def _restart(self, ranks, generation):
         """Start each of RANKS again on its own node, into GENERATION, alone in a step beside
-        the launch's: None, or why not (the launch's output blames its node)."""
+        the launch's; None. (Its node is not blamed: the coordinator asked first. A line that
+        blames it arriving later has it fail again there, and its node is then lost.)"""
         per_node, nodes = self.allocation.per_node, self.allocation.launch_nodes
-        blamed = self._blamed(sorted({nodes[rank // per_node] for rank in ranks}))
-        if blamed:  # a line that came after the coordinator asked (it asks first)
-            return sorted(blamed.values())[0]
         self._clear_flight_records()
         for rank in ranks:
             index, local_rank = divmod(rank, per_node)
