@@ -299,14 +299,14 @@ def report(log_path, nodes_text, tasks_per_node, node_states, patterns, hang=Non
         log = StepLog(handle)
     failed_nodes = [node for text in log.node_failures for node in job_nodes_named(text, nodes)]
     node_failures = [Blame(node, "srun: node failure during the step") for node in failed_nodes]
-    lost = [Blame(node, "lost during the launch; its live recovery fell back")
-            for node in lost_live]
-    # A line that blames a node says more than that the coordinator lost it (which may be
-    # for that line: a rank on a node it blames is not started again there).
     patterned = pattern_blames(log, patterns, nodes, placement)
-    blames = first_blame_per_node(node_failures + [blame for blame in lost if blame.node not in
-                                                   {found.node for found in patterned}]
-                                  + state_blames(node_states, nodes) + patterned
+    # A line that blames a node says more than that live recovery lost it (it may have lost
+    # it for that line: a rank is not started again on a node a line blames).
+    by_line = {blame.node for blame in patterned}
+    lost = [Blame(node, "lost during the launch; its live recovery fell back")
+            for node in lost_live if node not in by_line]
+    blames = first_blame_per_node(node_failures + lost + state_blames(node_states, nodes)
+                                  + patterned
                                   + repeated_hang_blames(hang, placement, hung_before or []))
     lines = list(report_lines(log, blames, placement, failed_nodes, hang))
     return lines, [blame.node for blame in blames]
