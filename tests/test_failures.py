@@ -717,6 +717,13 @@ def test_a_blamed_nodes_ranks_move_to_the_spare_and_a_killed_rank_starts_again_o
         "lost": [nodes[1]], "spares": [nodes[3]], "ranks": [2, 3], "blamed": [nodes[1]]}
     assert (restarted["lost"], restarted["restarted"], restarted["blamed"]) == ([], [4], [])
     assert "xscale: blame:" not in text and "first failure" not in text, text[-4000:]
+    # Every rank's record under its own number, the replacements' too (their steps number
+    # their tasks from 0: jobs/lib/launches.py's with_launch_ranks); srun's line of the killed
+    # rank's end names rank 4 on its node.
+    labelled = re.findall(r'^ *(\d+): XSCALE_RANK \{"rank":(\d+),', text, re.M)
+    assert sorted((int(label), int(rank)) for label, rank in labelled) == \
+        [(rank, rank) for rank in range(6)], labelled
+    assert re.search(rf"^srun: error: {node}: task 4: ", text, re.M), text[-4000:]
     first_after = min(event["time"] for event in events if event["time"] > killed_at)
     print(f"{nodes[1]} blamed: its ranks trained on {nodes[3]} after "
           f"{moved_live['joined_s']:.1f} s; rank 4 killed: the group re-formed "

@@ -262,6 +262,28 @@ def test_a_stack_reader_runs_in_the_launch_s_image_beside_its_ranks():
     assert host_module("hangs").read_stack(whole, "nid002", "5.0", 3).startswith("no stack: ")
 
 
+def test_a_replacements_output_goes_on_in_the_launchs_rank_numbers(tmp_path, capsysbinary):
+    """A spare's step numbers its tasks from 0, its labels and srun's line of their end alike:
+    the copy into the job's output and the launch's log shifts them to the launch's ranks
+    (here the ranks of node 1 of 2 per node: 2 and 3), whole lines at a time, the last one too
+    when it never ended. The failure report then finds rank 3's node by srun's line."""
+    launches, failure_report = host_module("launches"), host_module("failure_report")
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "wb") as writer:
+        writer.write(b"0: step 9\n 1: HW Exception by GPU node-4 reason :GPU Hang\n"
+                     b"srun: error: nid004: tasks 0-1: Exited with exit code 1\n1: no newline")
+    log = tmp_path / "launch.log"
+    with os.fdopen(read_end, "rb") as pipe, open(log, "wb") as handle:
+        launches.copy_output(pipe, handle, first_rank=2)
+    expected = (b"2: step 9\n 3: HW Exception by GPU node-4 reason :GPU Hang\n"
+                b"srun: error: nid004: tasks 2-3: Exited with exit code 1\n3: no newline")
+    assert log.read_bytes() == expected == capsysbinary.readouterr().out
+    with open(log) as handle:
+        step_log = failure_report.StepLog(handle)
+    assert step_log.node_of_rank(3, {3: "nid002"}) == "nid004"
+    assert step_log.by_rank[3][0].startswith("HW Exception")
+
+
 def test_a_node_is_blamed_for_a_hang_only_when_it_hung_in_the_attempt_before(tmp_path):
     failure_report, hangs = host_module("failure_report"), host_module("hangs")
     log = tmp_path / "step.log"

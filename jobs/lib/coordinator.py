@@ -600,7 +600,8 @@ class LiveLaunch:
                 contract.REPLACEMENT_VAR: "%d/%d" % (index, len(self.allocation.launch_nodes)),
                 contract.JOIN_VAR: str(generation)})
             say("live recovery: the ranks of %s start again on %s" % (node, spare))
-            self._start(index, "the ranks of " + node, line.argv(), env)
+            self._start(index, "the ranks of " + node, line.argv(), env,
+                        index * self.allocation.per_node)
             spares.append(spare)
         return spares
 
@@ -618,7 +619,7 @@ class LiveLaunch:
                                                            per_node),
                 contract.JOIN_VAR: str(generation)})
             say("live recovery: rank %d starts again on %s, its node" % (rank, nodes[index]))
-            self._start(("rank", rank), "rank %d" % rank, line.argv(), env)
+            self._start(("rank", rank), "rank %d" % rank, line.argv(), env, rank)
         return None
 
     def _clear_flight_records(self):
@@ -649,11 +650,13 @@ class LiveLaunch:
                 blame.node, blame.reason.partition(": ")[0]))
         return blamed
 
-    def _start(self, place, what, argv, env):
+    def _start(self, place, what, argv, env, first_rank):
+        """A replacement's srun (ARGV), its task 0 the launch's FIRST_RANK: its output to the
+        job's and to the launch's log, in the launch's rank numbers."""
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         log = open(self.log, "ab")
         threading.Thread(target=launches.copy_output, args=(proc.stdout, log),
-                         daemon=True).start()
+                         kwargs={"first_rank": first_rank}, daemon=True).start()
         self.replacements[place] = proc
         self.every_replacement.append(proc)
         threading.Thread(target=self._watch_replacement, args=(proc, place, what),

@@ -9,6 +9,7 @@ launch's own directory, XSCALE_FR_DIR; rank 0 notes its progress in XSCALE_PROGR
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,18 +125,53 @@ def remove_if_empty(directory):
         pass  # it holds the flight records of a failed launch
 
 
-def copy_output(pipe, log, on_srun_line=None):
+def copy_output(pipe, log, on_srun_line=None, first_rank=0):
     """PIPE's output to the job's and to LOG as it comes; srun's own lines, whole, to
-    ON_SRUN_LINE (a str), when given."""
+    ON_SRUN_LINE (a str), when given. FIRST_RANK: the launch's rank of the step's task 0 (a
+    replacement's step, whose tasks srun numbers from 0): its lines go on whole, in the
+    launch's numbers (with_launch_ranks)."""
     out = sys.stdout.buffer
     pending = b""
+    unshifted = b""  # with FIRST_RANK: the last line, not yet whole
     for chunk in iter(lambda: os.read(pipe.fileno(), 1 << 16), b""):
-        out.write(chunk)
-        out.flush()
-        log.write(chunk)
-        log.flush()
+        if first_rank:
+            whole, newline, unshifted = (unshifted + chunk).rpartition(b"\n")
+            chunk = b"".join(with_launch_ranks(line, first_rank) + b"\n"
+                             for line in whole.split(b"\n")) if newline else b""
+        _write(out, log, chunk)
         if on_srun_line is not None:
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
                 if line.startswith(b"srun: "):
                     on_srun_line(line.decode(errors="replace"))
+    if unshifted:
+        _write(out, log, with_launch_ranks(unshifted, first_rank))
+
+
+def _write(out, log, data):
+    out.write(data)
+    out.flush()
+    log.write(data)
+    log.flush()
+
+
+SRUN_LABEL = re.compile(rb"^( *)([0-9]+): ")  # srun --label's, as taglines reads it
+TASKS_ENDED = re.compile(rb"^(srun: error: \S+: tasks? )([0-9,-]+)(: )")  # failure_report's
+
+
+def with_launch_ranks(line, first_rank):
+    """LINE of a step whose task 0 is the launch's FIRST_RANK (a replacement: the ranks of a
+    node on a spare, or one rank started again), with srun's task numbers, in its label or in
+    its own line of a task's end, as the launch's ranks. The job's output and the failure
+    report then know a rank, and the node a line blames, by one number, whichever step ran
+    it."""
+    found = SRUN_LABEL.match(line) or TASKS_ENDED.match(line)
+    if not found:
+        return line
+    return found.group(1) + _shifted(found.group(2), first_rank) + line[found.end(2):]
+
+
+def _shifted(tasks, by):
+    """srun's task list (b"0-1", b"0,2") with every number raised BY."""
+    return b",".join(b"-".join(b"%d" % (int(number) + by) for number in part.split(b"-"))
+                     for part in tasks.split(b","))
