@@ -284,6 +284,18 @@ def test_a_replacements_output_goes_on_in_the_launchs_rank_numbers(tmp_path, cap
     assert step_log.by_rank[3][0].startswith("HW Exception")
 
 
+def test_the_blame_check_reads_the_whole_lines_at_the_logs_end(tmp_path):
+    """Live recovery's check of a node reads only the end of the launch's log, where the rank
+    that just failed left its lines: whole lines, the one the cut fell in left out."""
+    coordinator = host_module("coordinator")
+    log = tmp_path / "launch.log"
+    log.write_bytes(b"0: an early line\n2: a line cut\r at its start\n2: HW Exception\n")
+    with open(log, "rb") as handle:
+        assert coordinator.tail_lines(handle, 30) == ["2: HW Exception", ""]
+        assert coordinator.tail_lines(handle, 1 << 20)[:2] == ["0: an early line",
+                                                              "2: a line cut\r at its start"]
+
+
 def test_a_node_is_blamed_for_a_hang_only_when_it_hung_in_the_attempt_before(tmp_path):
     failure_report, hangs = host_module("failure_report"), host_module("hangs")
     log = tmp_path / "step.log"

@@ -512,6 +512,17 @@ class Coordinator:
             return json.loads(json.dumps(self.recoveries))
 
 
+def tail_lines(handle, size):
+    """The whole lines of the last SIZE bytes of HANDLE (a file opened in binary), as text."""
+    handle.seek(0, os.SEEK_END)
+    start = max(handle.tell() - size, 0)
+    handle.seek(start)
+    data = handle.read()
+    if start:
+        data = data.partition(b"\n")[2]  # the first line, cut
+    return data.decode(errors="replace").split("\n")  # as a file's lines: only at newlines
+
+
 def newer(path, than):
     """Whether PATH was written after THAN (False when either is not there)."""
     try:
@@ -546,6 +557,10 @@ def what_changed(spares, lost_nodes, restarted):
 
 END_GRACE_S = 10.0  # after every rank ended: how long the launch's srun may wait for lost tasks
 HANG_READ_S = 60.0  # for the hang watch to read a hung rank's stack (settle, then py-spy)
+# What the blame check reads of the launch's log: its end, where a rank that just failed left
+# its last lines. The whole of a long run's log is read in seconds (2.3 s for 39 MB here), and
+# the check lies on the recovery's path.
+BLAME_TAIL_BYTES = 8 << 20
 
 
 class LiveLaunch:
@@ -638,8 +653,8 @@ class LiveLaunch:
         of the launch's output blames them (the quick health check: a node whose other ranks
         answered runs, but a bad GPU there fails the rank started again)."""
         try:
-            with open(self.log, errors="replace") as handle:
-                log = failure_report.StepLog(handle)
+            with open(self.log, "rb") as handle:
+                log = failure_report.StepLog(tail_lines(handle, BLAME_TAIL_BYTES))
         except OSError:
             return {}
         blamed = {}
