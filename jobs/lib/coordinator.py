@@ -18,10 +18,10 @@ Beat for XSCALE_HEARTBEAT_S (a frozen node, which sends nothing at all). Then, i
    step (a bug: the launch stops with the first failure's line), or unless `blamed(nodes)`
    finds a line of the launch's output that blames its node (a bad GPU): then the node is
    lost, its other ranks are dismissed (they exit), and the node is replaced or left out as a
-   lost one is. No spare left: the survivors
-   go on as a smaller world, renumbered in their order, if every one of them can (it said
-   Live with shrinks: its loop deals each step's global batch over the ranks left), rank 0
-   is among them and at least `min_nodes` nodes are left.
+   lost one is. No spare left: the survivors go on as a smaller world, renumbered in their
+   order, if every one of them can (it said Live with shrinks: its loop deals each step's
+   global batch over the ranks left), rank 0 is among them and at least `min_nodes` nodes are
+   left.
 3. HostStore to the lowest surviving rank, which answers with its new store's address; Join to
    every rank of the next generation, the replacements as they arrive: the group re-forms there,
    and the replacements get the training state from that rank.
