@@ -9,15 +9,15 @@ launch's own directory, XSCALE_FR_DIR; rank 0 notes its progress in XSCALE_PROGR
 """
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+import failure_report
 import hangs
-from shared import contract, say
+from shared import contract, say, taglines
 
 STOP_SIGNALS = {signal.SIGUSR1: "USR1", signal.SIGTERM: "TERM"}
 COPY_DRAIN_S = 5  # how long the launch's output may trail its end (a process it left behind)
@@ -155,23 +155,23 @@ def _write(out, log, data):
     log.flush()
 
 
-SRUN_LABEL = re.compile(rb"^( *)([0-9]+): ")  # srun --label's, as taglines reads it
-TASKS_ENDED = re.compile(rb"^(srun: error: \S+: tasks? )([0-9,-]+)(: )")  # failure_report's
-
-
 def with_launch_ranks(line, first_rank):
     """LINE of a step whose task 0 is the launch's FIRST_RANK (a replacement: the ranks of a
     node on a spare, or one rank started again), with srun's task numbers, in its label or in
     its own line of a task's end, as the launch's ranks. The job's output and the failure
     report then know a rank, and the node a line blames, by one number, whichever step ran
-    it."""
-    found = SRUN_LABEL.match(line) or TASKS_ENDED.match(line)
-    if not found:
-        return line
-    return found.group(1) + _shifted(found.group(2), first_rank) + line[found.end(2):]
+    it. The bytes are kept as they are (surrogateescape: a line srun cut in a character)."""
+    text = line.decode("utf-8", "surrogateescape")
+    for pattern, numbers in ((taglines.SRUN_LABEL, 1), (failure_report.TASK_EXIT, "ranks")):
+        found = pattern.match(text)
+        if found:
+            text = (text[:found.start(numbers)] + _shifted(found.group(numbers), first_rank)
+                    + text[found.end(numbers):])
+            break
+    return text.encode("utf-8", "surrogateescape")
 
 
 def _shifted(tasks, by):
-    """srun's task list (b"0-1", b"0,2") with every number raised BY."""
-    return b",".join(b"-".join(b"%d" % (int(number) + by) for number in part.split(b"-"))
-                     for part in tasks.split(b","))
+    """srun's task list ("0-1", "0,2") with every number raised BY."""
+    return ",".join("-".join(str(int(number) + by) for number in part.split("-"))
+                    for part in tasks.split(","))
