@@ -155,23 +155,31 @@ def test_a_launch_that_failed_after_its_training_finished_lost_no_training():
     assert book["other_s"] == 141 - 120
 
 
-@pytest.mark.parametrize("shrunk", [False, True])
-def test_a_live_recovery_is_its_own_share_and_redoes_no_step(shrunk: bool):
+@pytest.mark.parametrize("world", ["whole", "shrunk", "grown back"])
+def test_a_live_recovery_is_its_own_share_and_redoes_no_step(world: str):
     """A launch that lost a node at t=100 and trained on, its group re-formed 2.5 s after the
     failure was noticed (jobs/lib/coordinator.py's record): those seconds are not training.
-    SHRUNK: no spare was left, and the training from t=102.5 to its end at t=120 went on in a
-    smaller world (the record's world_size): training still, and said so."""
-    recovery = {"noticed": 100.0, "joined_s": 2.5, "lost": ["nid002"]}
-    if shrunk:
-        recovery["world_size"] = 4
-    live = dict(RESUMED, log="live", recoveries=[recovery])
+    Shrunk: no spare was left, and the training from t=102.5 to its end at t=120 went on in a
+    smaller world (the record's world_size): training still, and said so. Grown back: at
+    t=110 a node job's node took the lost ranks back in (a pause of 1 s, counted as a
+    recovery's): the world was smaller from t=102.5 to t=110 only."""
+    recoveries = [{"noticed": 100.0, "joined_s": 2.5, "lost": ["nid002"]}]
+    if world != "whole":
+        recoveries[0].update(world_size=4, smaller=True)
+    if world == "grown back":
+        recoveries.append({"noticed": 110.0, "joined_s": 1.0, "lost": [], "grown": ["nid009"],
+                           "world_size": 6, "smaller": False})
+    live = dict(RESUMED, log="live", recoveries=recoveries)
     run = {"started": 70.0, "ended": 125.0, "launches": [live]}
     book = goodput.ledger([run], lambda launch: PROGRESS["s2"])
-    assert book["recovery_s"] == 2.5 and book["training_s"] == (120 - 90) - 2.5
+    paused = 2.5 + (1.0 if world == "grown back" else 0.0)
+    assert book["recovery_s"] == paused and book["training_s"] == (120 - 90) - paused
     assert book["lost_steps"] == 0 and book["lost_work_s"] == 0
-    assert "live recovery 4.5%" in goodput.line(book), goodput.line(book)
-    assert book["smaller_world_s"] == (120 - 102.5 if shrunk else 0)
-    assert goodput.line(book).endswith("; 0.3 min of the training in a smaller world") == shrunk
+    assert "live recovery %.1f%%" % (100 * paused / 55) in goodput.line(book), goodput.line(book)
+    assert book["smaller_world_s"] == {"whole": 0, "shrunk": 120 - 102.5,
+                                       "grown back": 110 - 102.5}[world]
+    assert goodput.line(book).endswith("of the training in a smaller world") == (
+        world != "whole"), goodput.line(book)
 
 
 def test_a_sharded_recovery_counts_its_snapshots_and_the_steps_it_rolled_back():
@@ -297,6 +305,12 @@ def test_a_smaller_world_trains_at_its_share_of_the_speed_and_saves_the_requeue(
     requeued, shrunk = (goodput_model.simulate(replace(live, shrink=shrink), 0, runs=8)[0]
                         for shrink in (False, True))
     assert shrunk > requeued + 0.1, (requeued, shrunk)
+    # Growing back: at 8,192 nodes, where the world is smaller most of the time, a node from
+    # the queue within ten minutes of each loss gains half a point (docs/GOODPUT.md).
+    large = replace(live, nodes=8192, startup_s=1174.0, shrink=True)
+    smaller, grown = (goodput_model.simulate(replace(large, grow_back=grow), 0, runs=4)[0]
+                      for grow in (False, True))
+    assert grown > smaller + 0.004, (smaller, grown)
 
 
 def test_the_model_for_one_job_and_its_bad_input(capsys):

@@ -25,7 +25,8 @@ training was held up, the end). From them, in seconds:
     other        the rest: staging, evaluation, the script's own set-up and clean-up
     queued       not allocated: the wait in the queue after each requeue
     smaller_world  part of training: the kept training after a live recovery with no spare left
-                 went on without the lost node (a recovery record's world_size)
+                 went on without the lost node (a recovery record's world_size), until one
+                 took the lost ranks back in (jobs/lib/grow_back.py)
 
 goodput is training / allocated. The supervisor prints it as the job's script ends,
 
@@ -63,9 +64,7 @@ def account_launch(launch, events, next_launch):
     recoveries = launch.get("recoveries") or []
     recovery = sum(_overlap(entry, trained) for entry in recoveries)
     _move(spent, "recovery", recovery)
-    shrunk = [entry["noticed"] + entry.get("joined_s", 0.0) for entry in recoveries
-              if "world_size" in entry and entry.get("noticed") is not None]
-    spent["smaller_world"] = max(trained[1] - min(shrunk), 0.0) if shrunk else 0.0
+    spent["smaller_world"] = _smaller_world(recoveries, trained)
     _move(spent, "snapshots", sum(event.get("stall_s", 0.0) for event in kept
                                   if event.get("event") == contract.SNAPSHOT))
     rolled_back = [event for event in kept if event.get("event") == contract.ROLLED_BACK]
@@ -78,6 +77,26 @@ def _move(spent, category, seconds):
     seconds = min(seconds, spent["training"])
     spent[category] += seconds
     spent["training"] -= seconds
+
+
+def _smaller_world(recoveries, span):
+    """The seconds of SPAN the world trained smaller: from each recovery that left it smaller
+    (its group re-formed) to the one that grew it back to the launch's (its failure noticed:
+    the pause is the recovery's), or to the span's end."""
+    changes = sorted((entry for entry in recoveries
+                      if "world_size" in entry and entry.get("noticed") is not None),
+                     key=lambda entry: entry["noticed"])
+    seconds, since = 0.0, None
+    for entry in changes:
+        smaller = entry.get("smaller", True)
+        if smaller and since is None:
+            since = entry["noticed"] + entry.get("joined_s", 0.0)
+        elif not smaller and since is not None:
+            seconds += _overlap({"noticed": since, "joined_s": entry["noticed"] - since}, span)
+            since = None
+    if since is not None:
+        seconds += _overlap({"noticed": since, "joined_s": span[1] - since}, span)
+    return seconds
 
 
 def _overlap(recovery, span):

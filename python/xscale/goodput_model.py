@@ -16,7 +16,9 @@ start: the step goes on, nothing is lost. With --rank-restarts too, a failure no
 node costs the same (its rank starts again on its own node; no spare is used); with --shrink,
 a node failure with no spare left costs the noticing and the re-forming, and the nodes left
 train on at their share of the speed (the same global batch) while at least half the nodes
-are left, until the allocation ends.
+are left, until the allocation ends; with --grow-back, until a node asked of the queue in the
+lost one's place comes (NODE_QUEUE seconds, then the replacement's start) and joins (the
+re-forming and the state's transfer).
 
 Out: the effective training time ratio (training / wall-clock time, queue waits included) and
 the goodput per node-hour (training node-hours / allocated node-hours, spares included: a spare
@@ -58,6 +60,8 @@ class Assumptions:
     replacement_s: float = 60.0  # one node's ranks started: its container, `import torch`
     rank_restarts: bool = False  # with live: a failure not blamed on a node, live too
     shrink: bool = False  # with live: no spare left, the nodes left train on, slower
+    grow_back: bool = False  # with shrink: a node from the queue takes a lost one's place
+    node_queue_s: float = 600.0  # a one-node job's wait in the queue
     min_share: float = 0.5  # of the nodes, the fewest a smaller world trains on (XSCALE_MIN_NODES)
 
     def live_s(self) -> float:
@@ -110,11 +114,21 @@ def allocation(rng: random.Random, model: Assumptions, spares: int, campaign: Ca
     used = model.setup_s  # staging reaches the spares too: a restart needs none
     startup_s = model.startup_s
     training = model  # the nodes that train now: fewer in a smaller world
+    returns: list[float] = []  # when each lost node's stand-in joins (--grow-back)
     while True:
-        ran, saved, done, ending = step(rng, training, max(model.wall_s - used, 0.0),
+        limit = max(model.wall_s - used, 0.0)
+        until_return = min(returns, default=math.inf) - used
+        ran, saved, done, ending = step(rng, training, min(limit, until_return),
                                         model.work_s - campaign.trained, startup_s,
                                         training.nodes / model.nodes)
         used += ran
+        if ending == "limit" and until_return < limit:  # a node back: the world grows
+            campaign.trained += done
+            returns.remove(min(returns))
+            training = replace(training, nodes=training.nodes + 1)
+            used += model.reform_s + model.transfer_s
+            startup_s = 0.0
+            continue
         if ending != "failure":
             campaign.trained += saved
             break
@@ -127,6 +141,8 @@ def allocation(rng: random.Random, model: Assumptions, spares: int, campaign: Ca
             campaign.trained += done
             if healthy and blamed:
                 del spares_fail_at[healthy[0]]
+            if went_on[0].nodes < training.nodes and model.grow_back:
+                returns.append(used + model.node_queue_s + model.replacement_s)
             training, seconds = went_on
             used += seconds
             startup_s = 0.0
@@ -253,6 +269,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m xscale.goodput_mo
     parser.add_argument("--shrink", action="store_true",
                         help="with --live: a node failure with no spare left goes on without "
                              "the node, slower, while half the nodes are left")
+    parser.add_argument("--grow-back", action="store_true",
+                        help="with --shrink: a node asked of the queue takes each lost one's "
+                             "place after --node-queue-s and the replacement's start")
+    parser.add_argument("--node-queue-s", type=float, default=defaults.node_queue_s,
+                        help="with --grow-back: seconds a one-node job waits in the queue")
     parser.add_argument("--notice-s", type=float, default=defaults.notice_s,
                         help="with --live: seconds until a failure is noticed (a frozen node: "
                              "the heartbeat window)")
@@ -266,13 +287,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m xscale.goodput_mo
         return 0
     if args.nodes < 1 or args.runs < 1 or min(args.checkpoint_s, args.startup_s, args.detect_s,
                                                args.setup_s, args.queue_s, args.notice_s,
-                                               args.replacement_s) < 0:
+                                               args.replacement_s, args.node_queue_s) < 0:
         parser.error("--nodes and --runs must be at least 1, the seconds not negative")
     model = replace(defaults, nodes=args.nodes, checkpoint_s=args.checkpoint_s,
                     startup_s=args.startup_s, detect_s=args.detect_s, setup_s=args.setup_s,
                     queue_s=args.queue_s, live=args.live, notice_s=args.notice_s,
                     replacement_s=args.replacement_s, rank_restarts=args.rank_restarts,
-                    shrink=args.shrink)
+                    shrink=args.shrink, grow_back=args.grow_back, node_queue_s=args.node_queue_s)
     for spares, (ratio, per_node_hour) in compare_spares(model, args.runs).items():
         print(f"{spares:3d} spares: {ratio:6.1%} of the wall-clock time trains, "
               f"{per_node_hour:6.1%} of the node-hours")
