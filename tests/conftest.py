@@ -82,10 +82,11 @@ class Cluster:
         return CLUSTER_STATE / "nodes" / node / "tmp"
 
     @staticmethod
-    def fault(*args: str) -> str:
-        """Run tests/cluster/fault.sh (inject or undo a fault); its stdout."""
+    def fault(*args: str, **env: str) -> str:
+        """Run tests/cluster/fault.sh (inject or undo a fault) with ENV added; its stdout."""
         proc = subprocess.run(["bash", str(CLUSTER_DIR / "fault.sh"), *args],
-                              capture_output=True, text=True, timeout=120, check=False)
+                              capture_output=True, text=True, timeout=120, check=False,
+                              env={**os.environ, **env})
         assert proc.returncode == 0, f"fault.sh {' '.join(args)}: {proc.stderr}"
         return proc.stdout
 

@@ -314,8 +314,9 @@ def submit_lumi_mnist(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[
 # always throws work away.
 SPARE_STEPS, SPARE_EVERY, SPARE_LOG_EVERY = 120, 50, 5
 # Two crashes come by about step 110 (a checkpoint, a recovery, the next checkpoint); the
-# smaller world then trains the rest.
-SHRUNK_STEPS = 200
+# smaller world then trains until the lost node is back (a kill and a restart there, a heal, a
+# node job, its ranks' start), and the launch's world the rest.
+SHRUNK_STEPS = 400
 
 
 def submit_with_a_spare(cluster, data: Path, tmp_path: Path, **env: str) -> tuple[str, Path, Path]:
@@ -336,6 +337,11 @@ def submit_with_a_spare(cluster, data: Path, tmp_path: Path, **env: str) -> tupl
 def job_nodes(job_id: str) -> list[str]:
     """The nodes of the job's first run (read as soon as it runs: it changes on a requeue)."""
     wait_for(lambda: job_fields(job_id)["JobState"] == "RUNNING", 240, "the job to start")
+    return allocated(job_id)
+
+
+def allocated(job_id: str) -> list[str]:
+    """The nodes of the job's allocation now."""
     return subprocess.run(["scontrol", "show", "hostnames", job_fields(job_id)["NodeList"]],
                           capture_output=True, text=True, timeout=30, check=True).stdout.split()
 
@@ -448,6 +454,8 @@ def crashing(cluster, job_id: str):
         yield crash
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)
+        # Its node jobs (jobs/lib/grow_back.py), which the supervisor cancels as the launch ends.
+        subprocess.run(["scancel", "--name", f"xscale-grow-{job_id}"], timeout=30, check=False)
         for node in crashed:
             cluster.fault("heal", node)
 
@@ -556,7 +564,7 @@ def last_step(progress: Path) -> int:
     return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
 
 
-def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
+def test_a_crashed_node_is_replaced_live_a_second_crash_shrinks_the_world_and_it_grows_back(
         cluster, mnist_data, tmp_path):
     """XSCALE_SPARES=1: 3 x 2 ranks on four nodes, the fourth waiting. The first crash, between
     two checkpoints: the four healthy ranks keep their processes, the spare takes the lost
@@ -564,9 +572,14 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
     redone (live recovery, jobs/lib/coordinator.py). The second crash, of the spare, finds no
     spare: the four ranks left (0, 1, 4, 5) go on as a world of 2 x 2 in the same launch
     (XSCALE_MIN_NODES defaults to one of three nodes), renumbered 0-3, each step's global batch
-    dealt over them. Then rank 5 (rank 3 of the four) is killed on its own: it starts again on
-    its node as rank 5 of the launch and joins as rank 3, and the job completes. The data
-    order and the gradients of such steps are checked in tests/test_recovery.py."""
+    dealt over them; the supervisor asks the queue for a node in its place (a node job,
+    jobs/lib/grow_back.py), which waits: every node is down or the job's. Then rank 5 (rank 3
+    of the four) is killed on its own: it starts again on its node as rank 5 of the launch and
+    joins as rank 3. Then the first crashed node is healed: the node job runs on it, ranks 2
+    and 3 start there as a step of that job, and the world is the launch's 3 x 2 again, in the
+    same launch, ranks 0, 1, 4 and 5 in the same processes. The job completes and the node job
+    is cancelled. The data order and the gradients of such steps are checked in
+    tests/test_recovery.py."""
     job_id, out_dir, output = submit_with_a_spare(cluster, mnist_data, tmp_path,
                                                   MAX_STEPS=str(SHRUNK_STEPS))
     progress = out_dir / "xscale-records" / "attempt0-launch1.progress"
@@ -594,7 +607,20 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
         wait_for(lambda: "rank 5 started again on its node" in output.read_text(), 120,
                  "the rank started again in the smaller world")
         restarted = trainer_pids(job_id)
+        node_job = re.search(rf"job (\d+) asks the queue for a node in place of {nodes[3]}",
+                             output.read_text())
+        assert node_job, output.read_text()[-4000:]
+        node_job = node_job.group(1)
+        # Slurm drops a crashed node from the job once it declares it down (docs/FAILURES.md):
+        # healed then, it is the queue's, and the node job's.
+        wait_for(lambda: nodes[1] not in allocated(job_id), 60, f"Slurm to drop {nodes[1]}")
+        cluster.fault("heal", nodes[1], XSC_IN_SERVICE="1")  # the node job may take it at once
+        healed_at = time.time()
+        wait_for(lambda: "the launch's world again" in output.read_text(), 120,
+                 "the world grown back")
+        grown = {**trainer_pids(job_id), **trainer_pids(node_job)}
         state = cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300)
+        node_job_state = cluster.wait_state(node_job, {"CANCELLED", "COMPLETED", "FAILED"}, 60)
     text = output.read_text()
     assert state == "COMPLETED", text[-4000:]
     assert f"xscale: live recovery: {nodes[3]} in place of {nodes[1]}" in text, text[-4000:]
@@ -614,6 +640,15 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
     assert f"xscale: live recovery: 4 ranks on 2 nodes go on without {nodes[3]} (ranks " \
         "0,1,4,5 before)" in text, text[-4000:]
     assert f"xscale: live recovery: rank 5 starts again on {nodes[2]}, its node" in text
+    # Grown back: ranks 2 and 3 on the healed node, in the node job; the others kept.
+    assert f"xscale: live recovery: {nodes[1]} is the training's again: ranks 2,3 start " \
+        "there" in text, text[-4000:]
+    assert "xscale: live recovery: 6 ranks on 3 nodes, the launch's world again (4 before)" \
+        in text, text[-4000:]
+    assert {rank: grown[rank] for rank in (0, 1, 4, 5)} == \
+        {rank: restarted[rank] for rank in (0, 1, 4, 5)} and {2, 3} <= set(grown), \
+        (restarted, grown)
+    assert node_job_state == "CANCELLED", node_job_state  # with the launch's end
     # One launch throughout, its steps in order: none redone.
     events = [json.loads(line) for line in progress.read_text().splitlines()
               if line.endswith("}")]
@@ -621,20 +656,25 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
     assert steps == sorted(set(steps)) and steps[-1] == SHRUNK_STEPS, steps
     launches = json.loads((out_dir / "xscale-records" / "attempt0.json").read_text())["launches"]
     assert len(launches) == 1 and launches[0]["status"] == 0, launches
-    replaced, shrank, started_again = launches[0]["recoveries"]
+    replaced, shrank, started_again, grew = launches[0]["recoveries"]
     assert replaced["lost"] == [nodes[1]] and replaced["spares"] == [nodes[3]], replaced
     assert (shrank["lost"], shrank["spares"], shrank["world_size"]) == ([nodes[3]], [], 4)
     assert (started_again["lost"], started_again["restarted"]) == ([], [5]), started_again
+    assert (grew["grown"], grew["ranks"], grew["world_size"], grew["smaller"]) == (
+        [nodes[1]], [2, 3], 6, False), grew
     # The summary: the world it ended in, when it shrank, and the launch's global batch.
     summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
-    assert (summary["world_size"], summary["nodes"]) == (4, 2), summary
+    assert (summary["world_size"], summary["nodes"]) == (6, 3), summary
     assert summary["global_batch_size"] == 6 * summary["batch_size"] * summary["accumulation"]
     (shrink,) = summary["shrinks"]
-    assert shrink["world_size"] == 4 and resumed < shrink["step"] < SHRUNK_STEPS, summary
+    assert shrink["world_size"] == 4 and resumed < shrink["step"] < shrink["until"] \
+        < SHRUNK_STEPS, summary
     ledger = goodput_of(text)
-    assert ledger["recovery_s"] == pytest.approx(
-        replaced["joined_s"] + shrank["joined_s"] + started_again["joined_s"], abs=0.01), ledger
-    assert ledger["smaller_world_s"] > 0 and "in a smaller world" in ledger["text"], ledger
+    assert ledger["recovery_s"] == pytest.approx(sum(
+        entry["joined_s"] for entry in (replaced, shrank, started_again, grew)), abs=0.01), ledger
+    smaller_s = grew["noticed"] - (shrank["noticed"] + shrank["joined_s"])
+    assert ledger["smaller_world_s"] == pytest.approx(smaller_s, abs=0.01), ledger
+    assert "in a smaller world" in ledger["text"], ledger
     first_after = min(event["time"] for event in events
                       if event["time"] > crashed_at and event["step"] > resumed)
     print(f"{nodes[1]} crashed: the group re-formed {replaced['joined_s']:.1f} s after the "
@@ -642,9 +682,13 @@ def test_a_crashed_node_is_replaced_live_and_a_second_crash_shrinks_the_world(
           f"{first_after - crashed_at:.1f} s after the crash. {nodes[3]} crashed: 2 x 2 ranks "
           f"went on {shrank['joined_s']:.1f} s after it was noticed, at step {shrink['step']}, "
           f"for {shrink['seconds']:.1f} s; rank 5 killed there: started again and joined "
-          f"{started_again['joined_s']:.1f} s after; steps/s at 3 x 2 after the first recovery "
+          f"{started_again['joined_s']:.1f} s after; {nodes[1]} healed: back to 3 x 2 at step "
+          f"{shrink['until']}, the group re-formed "
+          f"{grew['noticed'] + grew['joined_s'] - healed_at:.1f} s after the heal, training "
+          f"paused {grew['joined_s']:.1f} s; steps/s at 3 x 2 after the first recovery "
           f"{rate(events, resumed, shrink['step']):.1f}, at 2 x 2 "
-          f"{rate(events, shrink['step'], SHRUNK_STEPS):.1f}; {ledger['text']}")
+          f"{rate(events, shrink['step'], shrink['until']):.1f}, at 3 x 2 again "
+          f"{rate(events, shrink['until'], SHRUNK_STEPS):.1f}; {ledger['text']}")
 
 
 def rate(events: list[dict], first: int, last: int) -> float:

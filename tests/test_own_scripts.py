@@ -22,7 +22,7 @@ import torch
 
 from tests.conftest import REPO, VENV_BIN
 from tests.helpers import block_placed, tagged_records, wait_for
-from tests.test_failures import job_fields, job_nodes, past_step, trainer_pids
+from tests.test_failures import allocated, job_fields, job_nodes, past_step, trainer_pids
 
 OWN_DDP = "tests/programs/own_ddp.py"
 WORKSHOP = "tests/programs/workshop_gpt_neo.py"
@@ -303,22 +303,34 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, t
     print(f"{frozen} {fault}: replaced live {recovered_s:.1f} s later (XSCALE_HEARTBEAT_S=6)")
 
 
-def test_a_trainer_script_with_xscales_lines_outlives_a_crash_a_freeze_and_a_crash_past_spares(
-        cluster, tiny, tmp_path: Path):  # noqa: F811
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny GPT-neo with four times the reviews: an epoch of 500 steps of 16, more than the
+    run below. (A Trainer run in a smaller world leaves the uninterrupted run's course at the
+    next epoch's first steps, a defect found as this run grew longer: docs/FAILURES.md.)"""
+    from tests.fixtures.tiny_gpt_neo import build
+
+    return build(tmp_path_factory.mktemp("tiny_gpt_neo_long"), train_size=8000)
+
+
+def test_a_trainer_script_with_xscales_lines_outlives_five_faults_shrinks_and_grows_back(
+        cluster, tiny_long, tmp_path: Path):
     """The workshop's Trainer script with docs/YOUR-SCRIPT.md's one line more, 2 x 2 ranks and
     two spares: a node crashed mid-run is replaced live, then the replacement's node freezes
     (noticed by its silence, XSCALE_HEARTBEAT_S) and the other spare replaces it; then that
     node crashes too, with no spare left, and the healthy node's two ranks go on alone, each
     drawing two of every step's four batches (xscale.hf._SharedBatches); then rank 1 is killed
-    there, starts again on its node and takes its share in the smaller world. Each time
+    there, starts again on its node and takes its share in the smaller world; meanwhile the
+    first node crashed is healed, the node job the supervisor asked the queue for runs on it
+    (jobs/lib/grow_back.py), and its two ranks come back: 2 x 2 again. Each time
     Trainer's loop is left and begun again at the source rank's step with the state in memory
     (xscale.hf._LiveSteps); rank 0 keeps its process throughout and no disk checkpoint is read.
     The model the run ends with is the one an uninterrupted run of the same job ends with: no
     step redone or skipped, each step's samples and their mean the same, the learning-rate
-    schedule where it was. (One job for the four faults: each Trainer rank's start is seconds
+    schedule where it was. (One job for the five faults: each Trainer rank's start is seconds
     of CPU, and the bed's four nodes share two cores.)"""
-    model, data = tiny
-    steps = 70
+    model, data = tiny_long
+    steps = 480  # the grow comes 20-30 s after the heal, at 15-20 steps a second
 
     def submit(name: str) -> tuple[str, Path, Path]:
         out, output = tmp_path / name, tmp_path / f"{name}.out"
@@ -345,11 +357,21 @@ def test_a_trainer_script_with_xscales_lines_outlives_a_crash_a_freeze_and_a_cra
                 ("freeze", "freeze", nodes[2], 24, replaced(nodes[3], nodes[2])),
                 ("crash past the spares", "crash", nodes[3], 34,
                  f"2 ranks on 1 node go on without {nodes[3]}"),
+                # Healed as the world shrank, once Slurm had dropped it from the job: the
+                # queue's, and the node job's. Its ranks' start (seconds of a Trainer's
+                # imports) outlasts the kill's recovery, which the grow waits for.
+                ("heal", "heal", nodes[1], None, None),
                 # Past the smaller world's second step (docs/FAILURES.md, "When it falls back").
                 ("kill of rank 1", "kill", None, 44, "rank 1 started again on its node")),
                 start=1):
-            wait_for(lambda step=after_step: past_step(progress, step), 300, "training")
+            if after_step is not None:
+                wait_for(lambda step=after_step: past_step(progress, step), 300, "training")
             began = time.monotonic()
+            if kind == "heal":
+                wait_for(lambda n=node: n not in allocated(job_id), 60, f"Slurm to drop {node}")
+                cluster.fault("heal", node, XSC_IN_SERVICE="1")  # a node job may take it at once
+                healed_at = began
+                continue  # its ranks come back after the kill's recovery, below
             if kind == "kill":
                 shrunk = trainer_pids(job_id)
                 os.kill(shrunk[1], signal.SIGKILL)
@@ -358,19 +380,27 @@ def test_a_trainer_script_with_xscales_lines_outlives_a_crash_a_freeze_and_a_cra
                 cluster.fault(kind, node)
             wait_for(lambda line=recovered: line in output.read_text(), 120,
                      f"the live recovery from the {fault}")
-            wait_for(lambda n=count: output.read_text().count("training goes on at step") == n,
-                     60, "training to go on")  # rank 0 says it once per recovery
+            recoveries = count - (kind == "kill")  # the heal is none (yet)
+            wait_for(lambda n=recoveries: output.read_text().count(
+                "training goes on at step") == n, 60, "training to go on")  # once a recovery
             took[fault] = time.monotonic() - began
+        restarted = trainer_pids(job_id)
+        wait_for(lambda: "the launch's world again" in output.read_text(), 120,
+                 "the lost ranks back")
+        wait_for(lambda: output.read_text().count("training goes on at step") == 5, 60,
+                 "training to go on")
+        took["heal"] = time.monotonic() - healed_at
         after = trainer_pids(job_id)
         state = cluster.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300)
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)
+        subprocess.run(["scancel", "--name", f"xscale-grow-{job_id}"], timeout=30, check=False)
         for node in lost:
             cluster.fault("heal", node)
     text = output.read_text()
     assert state == "COMPLETED" and job_fields(job_id)["Restarts"] == "0", text[-4000:]
     leaves = [line for line in text.splitlines() if "every rank leaves" in line]
-    assert len(leaves) == 4, leaves
+    assert len(leaves) == 5, leaves
     assert f"on {nodes[2]} sent nothing for 6 s" in leaves[1], leaves  # only its silence tells
     assert "resuming from" not in text and "live recovery is off" not in text, text[-4000:]
     assert "cannot go on in a smaller world" not in text, text[-4000:]
@@ -378,22 +408,30 @@ def test_a_trainer_script_with_xscales_lines_outlives_a_crash_a_freeze_and_a_cra
         "(2 micro-batches on rank 0)" in text, text[-4000:]
     assert shrunk[0] == after[0] == before[0] and shrunk[1] == before[1] != after[1], \
         (before, shrunk, after)
+    assert restarted == after, (restarted, after)  # ranks 2 and 3 are the node job's
+    assert f"xscale: live recovery: {nodes[1]} is the training's again: ranks 2,3 start " \
+        "there" in text, text[-4000:]
     summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
-    assert (summary["steps"], summary["world_size"], summary["nodes"]) == (steps, 2, 1), summary
+    assert (summary["steps"], summary["world_size"], summary["nodes"]) == (steps, 4, 2), summary
     assert (summary["global_batch_size"], summary["accumulation"]) == (16, 1), summary
     [shrink] = summary["shrinks"]
-    assert (shrink["world_size"], shrink["nodes"]) == (2, 1) and 40 <= shrink["step"] < 50
+    assert (shrink["world_size"], shrink["nodes"]) == (2, 1) and 40 <= shrink["step"] < 50 \
+        and 50 <= shrink["until"] < steps, summary
     print(f"training went on {took['crash']:.1f} s after the crash, {took['freeze']:.1f} s "
           f"after the freeze (XSCALE_HEARTBEAT_S=6), {took['crash past the spares']:.1f} s "
           f"after the crash with no spare left, as 2 ranks from step {shrink['step']}, "
-          f"{took['kill of rank 1']:.1f} s after rank 1 was killed there")
+          f"{took['kill of rank 1']:.1f} s after rank 1 was killed there, and as 2 x 2 again "
+          f"from step {shrink['until']}, {took['heal']:.1f} s after {nodes[1]} was healed")
     reference_id, reference, reference_output = submit("uninterrupted")
     assert cluster.wait_state(reference_id, {"COMPLETED", "FAILED", "CANCELLED"}, 300) \
         == "COMPLETED", reference_output.read_text()[-4000:]
     ended, uninterrupted = (final_weights(run / "tiny" / f"checkpoint-{steps}")
                             for run in (out, reference))
+    # Float noise only: 300 of the steps summed their micro-batches in another order (two ranks
+    # of two each): measured up to 2.2e-6 on weights of 0.01 to 1. A wrong batch in one step
+    # moves them by 5e-4 within five steps (seen at an epoch's end, docs/FAILURES.md).
     for name, tensor in uninterrupted.items():
-        assert torch.allclose(ended[name], tensor, rtol=1e-4, atol=1e-6), name
+        assert torch.allclose(ended[name], tensor, rtol=1e-4, atol=1e-5), name
 
 
 def final_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

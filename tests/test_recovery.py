@@ -165,7 +165,7 @@ def test_a_lost_rank_is_replaced_and_every_replica_ends_equal(tmp_path: Path, un
     assert coordinator.finished(wait_s=5.0)
 
 
-def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_with_the_same_batch(
+def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_and_grow_back(
         tmp_path: Path, uninterrupted):
     """Ranks 0 and 2 on node n0, rank 1 on n1; n1 is lost and no spare is left. Ranks 0 and 2
     go on as a world of two (rank 2 is rank 1 there), and each step's three micro-batches are
@@ -173,70 +173,99 @@ def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_with_the_same
     the samples an uninterrupted run of three trains, none twice or skipped, and applies its
     gradients; the summary says when the world shrank and keeps the global batch. Then rank 2
     is killed on its own (its node-mate lives): the coordinator starts it again on n0 by its
-    launch number, it joins as rank 1 of the two, takes its share and the record of the shrink,
-    and the two replicas end equal, every step with the uninterrupted run's gradients."""
+    launch number, it joins as rank 1 of the two, takes its share and the record of the shrink.
+    Then a node, n5, is the training's again (a node job ran, jobs/lib/grow_back.py): rank 1
+    starts there and the coordinator takes it back in (grow) at step G, by step WAIT_AT (rank
+    0 waits there for it); from there each rank trains its own batch of the launch's again.
+    The three replicas end equal, every step with the uninterrupted run's gradients."""
     host_side = host_module("coordinator")
-    store, again_at, nodes = hosted_store(3), 50, ["n0", "n1", "n0"]
+    store, again_at, wait_at, nodes = hosted_store(3), 50, 65, ["n0", "n1", "n0"]
 
-    def env(rank: int, **extra: str) -> dict[str, str]:
-        return client_env(rank, 3, store, SLURMD_NODENAME=nodes[rank], MAX_STEPS=str(MICRO_BATCHES),
+    def env(rank: int, node: str, **extra: str) -> dict[str, str]:
+        return client_env(rank, 3, store, SLURMD_NODENAME=node, MAX_STEPS=str(MICRO_BATCHES),
                           DIE_AT=str(DIE_AT), DIE_RANK="1", DIE_HOW="kill",
-                          THEN_DIE=f"2@{again_at}", XSCALE_TIMEOUT_S="600",
+                          THEN_DIE=f"2@{again_at}", XSCALE_TIMEOUT_S="600", WAIT_AT=str(wait_at),
                           XSCALE_RECOVERY=coordinator.address, **extra)
 
     def restart(lost: list[int], generation: int) -> None:
         assert lost == [2], lost  # the launch's number: where it runs
         ranks.release(XSCALE_RECOVERY_JOIN=str(generation))
 
+    def grow_back() -> None:
+        with coordinator.changed:
+            coordinator.changed.wait_for(lambda: len(coordinator.recoveries) == 2, timeout=120)
+        grown.append(coordinator.grow(
+            [1], lambda generation: ranks.release(XSCALE_RECOVERY_JOIN=str(generation)), "n5"))
+
     coordinator = host_side.Coordinator(3, lambda nodes, generation: None, lambda why: None,
                                         heartbeat_s=30.0, restart=restart, max_rank_restarts=1,
                                         min_nodes=1)
     coordinator.start()
-    ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)], env(rank)) for rank in range(3)],
-                        REPO, PRELOAD, INTERPRETER_ENV,
-                        held=[([str(PROGRAM), str(tmp_path)], env(2))])
+    held = [([str(PROGRAM), str(tmp_path)], env(2, "n0")),
+            ([str(PROGRAM), str(tmp_path)], env(1, "n5"))]
+    ranks = ForkedRanks([([str(PROGRAM), str(tmp_path)], env(rank, nodes[rank]))
+                         for rank in range(3)], REPO, PRELOAD, INTERPRETER_ENV, held=held)
+    grown: list[str] = []
+    growing = threading.Thread(target=grow_back, daemon=True)
+    growing.start()
     try:
         ended, restarts = ended_in_time(ranks)
     finally:
         coordinator.stop()
         ranks.kill()
+    growing.join(timeout=10)
     assert [run.returncode for run in ended[1:]] == [-9, -9], ended[0].stderr[-3000:]
-    assert len(restarts) == 1, ended[0].stdout[-3000:]
-    runs = [(run.returncode, run.stdout, run.stderr) for run in (ended[0], restarts[0])]
+    assert len(restarts) == 2 and grown == [host_side.GROWN], (grown, ended[0].stdout[-3000:])
+    runs = [(run.returncode, run.stdout, run.stderr) for run in (ended[0], *restarts)]
     records = results_of(runs)
+    (summary,) = tagged_records(runs[0][1], "XSCALE_SUMMARY")
+    (shrink,) = summary["shrinks"]
+    grow_at = shrink["until"]
+    assert again_at < grow_at <= wait_at, summary
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
-        (0, 0, MICRO_BATCHES), (2, again_at, MICRO_BATCHES)], records
+        (0, 0, MICRO_BATCHES), (2, again_at, MICRO_BATCHES), (1, grow_at, MICRO_BATCHES)], \
+        records
     assert records[0]["pid"] == ranks.pids[0], records
-    assert records[0]["digest"] == records[1]["digest"], records
+    assert len({r["digest"] for r in records}) == 1, records
     # Each step after the loss: rank 0 trained the launch's ranks 0 and 2's batches, rank 2
-    # (rank 1 now, the process started again after again_at) rank 1's; and applied the
-    # uninterrupted run's gradients.
+    # (rank 1 now, the process started again after again_at) rank 1's; from grow_at on each
+    # trained its own batch; and every step applied the uninterrupted run's gradients.
     expected = [expected_batches(rank, 1) for rank in range(3)]
     reference = uninterrupted("loop", MICRO_BATCHES, 1)
     for step in range(DIE_AT + 1, MICRO_BATCHES + 1):
-        trained = sorted(records[0]["trained"].get(f"{step}.{micro}") for micro in (0, 1))
-        assert trained == sorted([expected[0][f"{step}.0"], expected[2][f"{step}.0"]]), step
+        trained = records[0]["trained"]
+        if step <= grow_at:
+            assert sorted([trained[f"{step}.0"], trained[f"{step}.1"]]) == sorted(
+                [expected[0][f"{step}.0"], expected[2][f"{step}.0"]]), step
+        else:  # (the step the grow dropped may have trained a second micro-batch: not again)
+            assert trained[f"{step}.0"] == expected[0][f"{step}.0"], step
+            assert step == grow_at + 1 or f"{step}.1" not in trained, step
+            assert records[2]["trained"][f"{step}.0"] == expected[1][f"{step}.0"], step
         if step > again_at:
-            assert records[1]["trained"][f"{step}.0"] == expected[1][f"{step}.0"], step
+            launch_rank = 1 if step <= grow_at else 2
+            assert records[1]["trained"][f"{step}.0"] == expected[launch_rank][f"{step}.0"], step
             assert f"{step}.1" not in records[1]["trained"], step
         assert records[0]["gradients"][str(step)] == pytest.approx(reference[str(step)],
                                                                    rel=1e-3), step
-    shrunk, restarted = coordinator.saved()
+    shrunk, restarted, grew = coordinator.saved()
     assert (shrunk["lost"], shrunk["spares"], shrunk["world_size"]) == (["n1"], [], 2), shrunk
     assert (restarted["lost"], restarted["restarted"]) == ([], [2]), restarted
+    assert (grew["grown"], grew["ranks"], grew["world_size"], grew["smaller"]) == (
+        ["n5"], [1], 3, False), grew
     said = runs[0][1] + runs[0][2]
     assert "training goes on as 2 ranks on 1 node, each step's 48 samples dealt over them " \
         "(2 micro-batches on rank 0)" in said, said[-3000:]
-    (summary,) = tagged_records(runs[0][1], "XSCALE_SUMMARY")
-    assert (summary["world_size"], summary["global_batch_size"]) == (2, 48), summary
-    (shrink,) = summary["shrinks"]
+    assert f"training goes on as the launch's 3 ranks on 2 nodes from step {grow_at}" in said, \
+        said[-3000:]
+    assert (summary["world_size"], summary["global_batch_size"]) == (3, 48), summary
     assert (shrink["step"], shrink["world_size"], shrink["nodes"]) == (DIE_AT, 2, 1), summary
-    # The process started again after the shrink knows of it from the source's position (a
-    # rank 0 started again so writes it in its summary), and how long the world has been smaller.
-    (known,) = records[1]["shrinks"]
-    assert {key: known[key] for key in ("step", "world_size", "nodes")} == \
-        {key: shrink[key] for key in ("step", "world_size", "nodes")}, records[1]
-    assert known["seconds"] == pytest.approx(shrink["seconds"], abs=2.0), (known, shrink)
+    # The processes started later know of the shrink from the source's position (a rank 0
+    # started again so writes it in its summary), and how long the world was smaller.
+    for record in records[1:]:
+        (known,) = record["shrinks"]
+        assert {key: known[key] for key in ("step", "world_size", "nodes")} == \
+            {key: shrink[key] for key in ("step", "world_size", "nodes")}, record
+        assert known["seconds"] == pytest.approx(shrink["seconds"], abs=2.0), (known, shrink)
     assert coordinator.finished(wait_s=5.0)
 
 
@@ -336,7 +365,7 @@ def test_a_rank_that_fails_on_a_blamed_node_takes_its_node_mates_with_it_to_a_sp
         spares = [connect(rank, "n9", generation=1) for rank in (0, 1)]
         for connection, messages in (ranks[2], *spares):
             assert next(messages) == contract.Join(generation=1, store=["127.0.0.1", 1],
-                                                   source=2)
+                                                   source=2, nodes=2)
             connection.sendall(contract.encode(contract.Joined(generation=1)))
         with coordinator.changed:
             assert coordinator.changed.wait_for(lambda: coordinator.recoveries, timeout=10)
@@ -348,6 +377,80 @@ def test_a_rank_that_fails_on_a_blamed_node_takes_its_node_mates_with_it_to_a_sp
     (entry,) = coordinator.saved()
     assert {key: entry[key] for key in ("lost", "spares", "restarted", "ranks", "blamed")} == {
         "lost": ["n0"], "spares": ["n9"], "restarted": [], "ranks": [0, 1], "blamed": ["n0"]}
+
+
+def test_a_grow_takes_its_ranks_in_once_they_came_and_gives_up_cleanly_when_they_cannot():
+    """Ranks 0 and 1 on n0, rank 2 on n1, no spare: n1 is lost and ranks 0 and 1 go on as a
+    world of two. A grow before that finds nothing to grow. A grow whose ranks' srun ends
+    before they came (abandon_grow) fails and leaves the world as it was; the next, whose rank
+    2 says Hello from n5, has ranks 0 and 1 leave generation 1 and forms generation 2 with
+    all three, in the launch's numbers, on two nodes. (Real ranks: the grow-back test above;
+    on the bed, tests/test_failures.py.)"""
+    host_side = host_module("coordinator")
+    coordinator = host_side.Coordinator(3, lambda nodes, generation: None, lambda why: None,
+                                        heartbeat_s=30.0, min_nodes=1)
+    coordinator.start()
+    port = int(coordinator.address.rsplit(":", 1)[1])
+    connections = []
+
+    def connect(rank: int, node: str, generation: int = 0) -> tuple[socket.socket, Iterator]:
+        connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+        connection.sendall(contract.encode(contract.Hello(rank=rank, node=node, pid=rank,
+                                                          generation=generation))
+                           + contract.encode(contract.Live(shrinks=True)))
+        connections.append(connection)
+        return connection, contract.read_messages(connection.makefile("rb"))
+
+    def form(generation: int, ranks: list, nodes: int, members) -> None:
+        """The survivors leave GENERATION - 1, rank 0 hosts the store, MEMBERS join."""
+        for connection, messages in members[:2]:
+            assert next(messages) == contract.Abort(generation=generation - 1)
+            connection.sendall(contract.encode(contract.Left(generation=generation - 1,
+                                                             step=7)))
+        assert next(members[0][1]) == contract.HostStore(generation=generation)
+        members[0][0].sendall(contract.encode(contract.Store(address=["127.0.0.1", 1])))
+        for connection, messages in members:
+            assert next(messages) == contract.Join(generation=generation,
+                                                   store=["127.0.0.1", 1], source=0,
+                                                   ranks=ranks, nodes=nodes)
+            connection.sendall(contract.encode(contract.Joined(generation=generation)))
+
+    def records(count: int) -> list[dict]:
+        with coordinator.changed:
+            assert coordinator.changed.wait_for(lambda: len(coordinator.recoveries) == count,
+                                                timeout=10)
+        return coordinator.saved()
+
+    try:
+        ranks = [connect(rank, node) for rank, node in enumerate(["n0", "n0", "n1"])]
+        assert coordinator.grow([2], lambda generation: None, "n5") == host_side.BUSY
+        ranks[2][0].shutdown(socket.SHUT_RDWR)  # n1's rank is gone, and no spare is left
+        form(1, [0, 1], 1, ranks[:2])
+        assert records(1)[0]["world_size"] == 2
+        started = []
+
+        def start_and_end(generation: int) -> None:
+            started.append(generation)
+            coordinator.abandon_grow("the ranks of n1, started again, ended with status 1")
+
+        assert coordinator.grow([2], start_and_end, "n5") == host_side.FAILED
+        assert started == [2] and coordinator.layout == [0, 1] and not coordinator.recovering
+        grown = []
+        growing = threading.Thread(target=lambda: grown.append(coordinator.grow(
+            [2], lambda generation: started.append(generation), "n5")), daemon=True)
+        growing.start()
+        with coordinator.changed:  # started: its rank says Hello from its node
+            assert coordinator.changed.wait_for(lambda: len(started) == 2, timeout=10)
+        form(2, [0, 1, 2], 2, [*ranks[:2], connect(2, "n5", generation=started[1])])
+        growing.join(timeout=10)
+        assert grown == [host_side.GROWN], grown
+    finally:
+        coordinator.stop()
+        for connection in connections:
+            connection.close()
+    entry = records(2)[1]
+    assert {key: entry[key] for key in ("grown", "ranks", "world_size", "smaller")} == {
+        "grown": ["n5"], "ranks": [2], "world_size": 3, "smaller": False}, entry
 
 
 def lost_and_replaced(ranks: ForkedRanks, coordinator) -> list[tuple[int, str, str]]:

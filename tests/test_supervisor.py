@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,28 @@ def test_a_stack_reader_runs_in_the_launch_s_image_beside_its_ranks():
     assert host_module("hangs").read_stack(whole, "nid002", "5.0", 3).startswith("no stack: ")
 
 
+def test_a_node_job_asks_for_a_node_like_the_jobs_for_its_time_left():
+    """A smaller world's node job (jobs/lib/grow_back.py) takes the job's partition, account
+    and GPUs from scontrol's record, and the whole minutes left; its ranks' line is a step of
+    it. (On the bed, where its node is taken back into the training: tests/test_failures.py.)"""
+    grow_back = host_module("grow_back")
+    record = ("JobId=7 JobName=train UserId=u(1) Account=project_465000 QOS=(null) "
+              "JobState=RUNNING Partition=standard-g AllocNode:Sid=uan01:9 Reservation=(null) "
+              "Features=(null) EndTime=2026-11-30T18:00:00 TresPerNode=gres/gpu:8 "
+              "Command=/users/u/train.sbatch")
+    now = time.mktime(time.strptime("2026-11-30T16:30:30", "%Y-%m-%dT%H:%M:%S"))
+    assert grow_back.node_job_options(grow_back.job_fields(record), now) == [
+        "--partition=standard-g", "--account=project_465000", "--gres=gpu:8", "--time=89"]
+    unlimited = "Partition=debug TresPerNode=gres:gpu:4 EndTime=Unknown Features=mi250&hbm"
+    assert grow_back.node_job_options(grow_back.job_fields(unlimited), now) == [
+        "--partition=debug", "--constraint=mi250&hbm", "--gres=gpu:4"]
+    line = host_module("launch_line").LaunchLine(["python", "train.py"], ["--label"], None,
+                                                 None, "/runscripts/run.sh")
+    assert line.on(1, 2, "nid009", overlap=False).in_job("8").argv() == [
+        "srun", "--nodes=1", "--ntasks=2", "--nodelist=nid009", "--jobid=8", "--label",
+        "/runscripts/run.sh", "python", "train.py"]
+
+
 def test_a_replacements_output_goes_on_in_the_launchs_rank_numbers(tmp_path, capsysbinary):
     """A spare's step numbers its tasks from 0, its labels and srun's line of their end alike:
     the copy into the job's output and the launch's log shifts them to the launch's ranks
@@ -354,7 +377,8 @@ def test_live_recovery_runs_with_spares_unless_xscale_live_recovery_is_0(live_re
 
     supervisor_module = host_module("supervisor")
     settings = types.SimpleNamespace(spares=1, max_rank_restarts=2, live_recovery=live_recovery,
-                                     heartbeat_s=30.0, patterns=[], min_nodes=None)
+                                     heartbeat_s=30.0, patterns=[], min_nodes=None,
+                                     grow_back=True, env={"SLURM_JOB_ID": "7"})
     allocation = types.SimpleNamespace(per_node=2, launch_nodes=["nid001", "nid002"],
                                        nodes=["nid001", "nid002", "nid003"], needed=2)
     line = types.SimpleNamespace(built=True)
@@ -365,5 +389,6 @@ def test_live_recovery_runs_with_spares_unless_xscale_live_recovery_is_0(live_re
     try:
         assert list(live.environment()) == ["XSCALE_RECOVERY"], live.environment()
         assert live.coordinator.world_size == 4
+        assert live.node_jobs.job_id == "7"  # a smaller world asks for nodes as job 7's
     finally:
         live.coordinator.server.server_close()  # never started: stop() would wait for it

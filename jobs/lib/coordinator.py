@@ -27,6 +27,11 @@ Beat for XSCALE_HEARTBEAT_S (a frozen node, which sends nothing at all). Then, i
    and the replacements get the training state from that rank.
 4. Once every rank has Joined, training is under way again; the recovery is noted.
 
+A smaller world grows back when a node is the training's again (`grow(ranks, start, node)`, the
+supervisor's once a node it asked the queue for runs, jobs/lib/grow_back.py): the lost ranks
+start there and say Hello; then every rank leaves its generation as after a failure (the step
+under way is dropped, none is redone), and the next forms with them, in the launch's numbers.
+
 Anything else (a rank not live, a failure during a recovery, no spare left and no smaller world,
 a rank's own failure too often, a replacement that does not join within JOIN_TIMEOUT_S) is a
 Fallback: every rank exits, `give_up()` ends the launch, and the supervisor does what it does
@@ -49,6 +54,7 @@ import threading
 import time
 
 import failure_report
+import grow_back
 import hangs
 import launches
 from shared import contract, hostlist, say
@@ -57,6 +63,7 @@ LEAVE_WINDOW_S = 5.0  # after Abort, for every rank that lives to say Left
 STORE_TIMEOUT_S = 30.0  # for the store's address from the rank that hosts it
 JOIN_TIMEOUT_S = 300.0  # for a replacement to start (its container, `import torch`) and join
 WATCH_EVERY_S = 1.0  # how often heartbeats are checked
+GROWN, BUSY, FAILED = "grown", "busy", "failed"  # how a grow ended (Coordinator.grow)
 
 
 class Peer:
@@ -128,6 +135,9 @@ class Coordinator:
         self.join = None  # the Join of the generation being formed
         self.recovering = self.fallen_back = False
         self.recoveries = []  # what each recovery took, for the records
+        self.launch_world = world_size  # a smaller world's ranks are fewer
+        self.arriving = {}  # a grow under way: launch rank -> its Peer once it said Hello
+        self.grow_failed = None  # why the ranks of the grow under way will not come
         self.losing = []  # the nodes the recovery under way replaces
         self.unrecovered = []  # those nodes, when that recovery fell back: the launch lost them
         self.changed = threading.Condition()
@@ -170,6 +180,13 @@ class Coordinator:
     def _hello(self, connection, hello):
         launch_rank = int(hello.rank)  # a rank knows itself by the launch's number
         with self.changed:
+            if launch_rank in self.arriving:  # it joins once every rank has left (grow)
+                peer = Peer(connection, launch_rank, str(hello.node), hello.pid,
+                            int(hello.generation), self.now())
+                self.arriving[launch_rank] = peer
+                self.met.add(launch_rank)
+                self.changed.notify_all()
+                return peer
             if self.layout is not None and launch_rank not in self.layout:
                 return None  # of a node the smaller world went on without: no rank of it
             rank = launch_rank if self.layout is None else self.layout.index(launch_rank)
@@ -247,6 +264,7 @@ class Coordinator:
                 return
             failed_again = self.recovering
             self.recovering = True
+            self.changed.notify_all()  # a grow waiting for its ranks gives way
         if failed_again:
             self.fall_back("%s during the recovery" % why)
             return
@@ -305,7 +323,8 @@ class Coordinator:
         if store is None:
             self.fall_back("%s did not host the new group's store" % survivors[0])
             return
-        joined = self._form(generation + 1, store, survivors[0].rank, spares + restarted)
+        nodes = len({peer.node for peer in survivors} | set(spares))
+        joined = self._form(generation + 1, store, survivors[0].rank, spares + restarted, nodes)
         if joined is None:
             return
         record = {"generation": generation + 1, "why": why, "lost": lost_nodes,
@@ -314,7 +333,7 @@ class Coordinator:
                   "noticed": round(noticed_at, 3), "left_s": round(launched - noticed, 3),
                   "joined_s": round(joined - noticed, 3)}
         if before is not None:
-            record["world_size"] = self.world_size
+            record.update(world_size=self.world_size, smaller=True)
         with self.changed:
             self.recoveries.append(record)
         change = what_changed(spares, lost_nodes, restarted) if before is None else \
@@ -463,10 +482,11 @@ class Coordinator:
                                   timeout=STORE_TIMEOUT_S)
             return host.store
 
-    def _form(self, generation, store, source, started):
-        """Join for GENERATION to every rank of it; when all have joined, or None (a fallback)."""
+    def _form(self, generation, store, source, started, nodes):
+        """Join for GENERATION, on NODES nodes, to every rank of it; when all have joined, or
+        None (a fallback)."""
         join = contract.Join(generation=generation, store=store, source=source,
-                             ranks=self.layout)
+                             ranks=self.layout, nodes=nodes)
         with self.changed:
             self.generation, self.join = generation, join
             ready = [peer for peer in self.peers.values() if peer.generation == generation
@@ -482,11 +502,134 @@ class Coordinator:
             # The group is whole: a failure from here on is a new one, recovered in its turn
             # (a rank started again that fails at once, as a bug would have it).
             self.recovering = not done
+            self.changed.notify_all()  # a grow waiting for the recovery's end goes on
         if not done:
             self.fall_back("the ranks started on %s did not join within %.0f s"
                             % (", ".join(str(place) for place in started), JOIN_TIMEOUT_S))
             return None
         return self.now()
+
+    # ---- a smaller world grows back ------------------------------------------------------
+
+    def grow(self, ranks, start, node):
+        """Take the launch's RANKS, which a smaller world went on without, back into the
+        training: START(generation) starts them on NODE (one the job holds again) into that
+        generation; once each has said Hello (and a recovery that came meanwhile is over),
+        every rank leaves its generation and the next forms with them. GROWN, or BUSY (a
+        recovery is under way: try again), or FAILED (they did not come, or the training
+        ended; the world stays as it is)."""
+        with self.changed:
+            if self.recovering or self.fallen_back or self.layout is None \
+                    or set(ranks) & set(self.layout):
+                return BUSY
+            self.arriving, self.grow_failed = dict.fromkeys(ranks), None
+            generation = self.generation
+        say("live recovery: %s is the training's again: %s there" % (node, ranks_start(ranks)))
+        start(generation + 1)
+        if not self._arrivals():
+            return FAILED
+        generation = self.generation  # a recovery may have come while they started
+        noticed, noticed_at = self.now(), time.time()
+        say("live recovery: every rank leaves generation %d, and the next forms with them"
+            % generation)
+        self._send_all(contract.Abort(generation=generation))
+        survivors, lost = self._leavers(generation, noticed + LEAVE_WINDOW_S)
+        if lost and not survivors and all(peer is not None and peer.bye for peer in lost):
+            return self._too_late(node)  # every rank ended its training meanwhile
+        if lost:
+            self.fall_back("%s did not leave generation %d as %s joined" % (
+                lost[0] or "a rank", generation, node))
+            return FAILED
+        before = self.world_size
+        host = self._grown(survivors)
+        launched = self.now()
+        store = self._host_store(host, generation + 1)
+        if store is None:
+            self.fall_back("%s did not host the new group's store" % host)
+            return FAILED
+        nodes = len({peer.node for peer in self.peers.values()})
+        joined = self._form(generation + 1, store, host.rank, [node], nodes)
+        if joined is None:
+            return FAILED
+        smaller = self.world_size < self.launch_world
+        with self.changed:
+            self.recoveries.append({
+                "generation": generation + 1, "why": "%s is the training's again" % node,
+                "lost": [], "spares": [], "restarted": [], "ranks": sorted(ranks),
+                "blamed": [], "grown": [node], "world_size": self.world_size,
+                "smaller": smaller, "noticed": round(noticed_at, 3),
+                "left_s": round(launched - noticed, 3), "joined_s": round(joined - noticed, 3)})
+        say("live recovery: %d ranks on %d nodes%s (%d before); the group re-formed %.1f s "
+            "after every rank was told to leave (generation %d)" % (
+                self.world_size, nodes, "" if smaller else ", the launch's world again", before,
+                joined - noticed, generation + 1))
+        return GROWN
+
+    def _arrivals(self):
+        """Whether every rank of the grow under way said Hello, with no recovery under way (a
+        recovery that came meanwhile is waited for): the grow goes on, as a recovery. If not,
+        it is given up (the ranks that came are dismissed: they exit)."""
+        def over():
+            return any(peer.bye for peer in self.peers.values())
+
+        def ready():
+            return all(self.arriving.values()) and not self.recovering
+
+        with self.changed:
+            self.changed.wait_for(lambda: ready() or self.grow_failed or self.fallen_back
+                                  or over(), timeout=JOIN_TIMEOUT_S)
+            if ready() and not (self.grow_failed or self.fallen_back or over()):
+                self.recovering = True  # a failure from here on ends live recovery
+                return True
+            why = self.grow_failed or ("the training is over" if over() else
+                                       "the launch fell back" if self.fallen_back else
+                                       "they did not start within %.0f s" % JOIN_TIMEOUT_S)
+        self._dismiss_arrivals("the training did not take this node back")
+        say("live recovery: the lost ranks did not come back (%s); the training goes on as it "
+            "is" % why)
+        return False
+
+    def _too_late(self, node):
+        """The training ended as NODE's ranks were to join: they are dismissed."""
+        with self.changed:
+            self.recovering = False
+        self._dismiss_arrivals("the training ended as this node joined")
+        say("live recovery: the training ended as %s was to join" % node)
+        return FAILED
+
+    def _dismiss_arrivals(self, why):
+        """The grow under way is given up: the ranks that came exit (DISMISS, for WHY)."""
+        with self.changed:
+            came = [peer for peer in self.arriving.values() if peer is not None]
+            self.arriving = {}
+        for peer in came:
+            peer.send(contract.Dismiss(why=why))
+
+    def abandon_grow(self, why):
+        """The ranks of the grow under way will not come (their srun ended), for WHY."""
+        with self.changed:
+            if self.arriving:
+                self.grow_failed = why
+                self.changed.notify_all()
+
+    def _grown(self, survivors):
+        """The survivors and the ranks that came back become the world, in the launch's numbers
+        (a rank knows itself by those); returns the rank that hosts the next group's store, the
+        lowest survivor (rank 0: a smaller world keeps it)."""
+        with self.changed:
+            by_launch = {self.layout[peer.rank]: peer for peer in survivors}
+            for peer in self.arriving.values():
+                peer.generation = self.generation + 1  # (a recovery may have come meanwhile)
+            by_launch.update(self.arriving)
+            self.layout = sorted(by_launch)
+            self.peers = {}
+            for rank, launch_rank in enumerate(self.layout):
+                peer = by_launch[launch_rank]
+                peer.rank, peer.last_beat = rank, self.now()
+                self.peers[rank] = peer
+            self.world_size, self.arriving = len(self.layout), {}
+            self.changed.notify_all()
+        return survivors[0]
 
     def fall_back(self, why):
         with self.changed:
@@ -495,6 +638,7 @@ class Coordinator:
             self.fallen_back = True
             if self.recovering:
                 self.unrecovered = list(self.losing)
+            self.changed.notify_all()
         say("live recovery: not possible: %s; the launch ends, and the usual restart or "
             "requeue follows" % why)
         self._send_all(contract.Fallback(why=why))
@@ -540,6 +684,23 @@ def went_smaller(survivors, lost_nodes, before):
         ",".join(str(rank) for rank in before))
 
 
+def end_step(srun):
+    """End SRUN and every task of its step: srun ends the step on a second SIGINT within a
+    second (srun(1), "Signals and escape sequences"); the pause keeps the two signals apart (a
+    signal pending twice is delivered once)."""
+    if srun.poll() is None:
+        for _ in range(2):
+            srun.send_signal(signal.SIGINT)
+            time.sleep(0.1)
+
+
+def ranks_start(ranks):
+    """'rank 2 starts' or 'ranks 2,3 start'."""
+    return "rank%s %s start%s" % ("s" if len(ranks) > 1 else "",
+                                  ",".join(str(rank) for rank in ranks),
+                                  "" if len(ranks) > 1 else "s")
+
+
 def what_changed(spares, lost_nodes, restarted):
     """A recovery's new processes, in words."""
     parts = []
@@ -568,12 +729,17 @@ class LiveLaunch:
     nodes of ALLOCATION (jobs/lib/allocation.py) or, for a rank that failed on its own, on its
     node, with LINE (the launch's LaunchLine), their output to the job's and to LOG. PATTERNS:
     the lines that blame a node (jobs/lib/blame): a rank is not started again on a node they
-    blame."""
+    blame. GROW_JOB: the job's id, when a smaller world asks the queue for nodes to grow back
+    with (jobs/lib/grow_back.py); None: it stays smaller."""
 
     def __init__(self, allocation, line, log, heartbeat_s, max_rank_restarts, patterns,
-                 min_nodes=0):
+                 min_nodes=0, grow_job=None):
         self.allocation, self.line, self.log = allocation, line, log
         self.patterns = patterns
+        self.node_jobs = grow_back.NodeJobs(grow_job) if grow_job else None
+        self.in_job = {}  # a node's index -> the node job whose node took its place
+        self.growing = None  # the index of the node whose ranks a grow under way starts
+        self.ended = threading.Event()
         self.replacements = {}  # a node's index or a rank -> its newest replacement's srun
         self.every_replacement = []  # every replacement's srun, the newest's included
         self.launch_env = {}
@@ -602,6 +768,7 @@ class LiveLaunch:
     def _replace(self, lost_nodes, generation):
         if len(self.allocation.spares_left()) < len(lost_nodes):
             self.allocation.excluded.update(lost_nodes)
+            self._ask_for_nodes(lost_nodes)
             return None  # none started: the ranks left may go on without them
         self._clear_flight_records()
         spares = []
@@ -610,15 +777,67 @@ class LiveLaunch:
             spare = self.allocation.replace_live(node)
             if spare is None:
                 return None
-            line = self.line.on(1, self.allocation.per_node, spare, overlap=True)
-            env = dict(self.launch_env, **{
-                contract.REPLACEMENT_VAR: "%d/%d" % (index, len(self.allocation.launch_nodes)),
-                contract.JOIN_VAR: str(generation)})
             say("live recovery: the ranks of %s start again on %s" % (node, spare))
-            self._start(index, "the ranks of " + node, line.argv(), env,
-                        index * self.allocation.per_node)
+            self._start_node(index, "the ranks of " + node,
+                             self.line.on(1, self.allocation.per_node, spare, overlap=True),
+                             generation)
             spares.append(spare)
         return spares
+
+    def _start_node(self, index, what, line, generation):
+        """The ranks of the launch's node INDEX (WHAT, in words) started with LINE, into
+        GENERATION."""
+        env = dict(self.launch_env, **{
+            contract.REPLACEMENT_VAR: "%d/%d" % (index, len(self.allocation.launch_nodes)),
+            contract.JOIN_VAR: str(generation)})
+        self._start(index, what, line.argv(), env, index * self.allocation.per_node)
+
+    # ---- a smaller world grows back (jobs/lib/grow_back.py) ---------------------------------
+
+    def _ask_for_nodes(self, lost_nodes):
+        """A node job for each of LOST_NODES, which the world goes on without; the first
+        starts the watch that takes their nodes back."""
+        if self.node_jobs is None:
+            return
+        first = not self.node_jobs.held
+        for node in lost_nodes:
+            self.node_jobs.ask(self.allocation.launch_nodes.index(node), node)
+        if first and self.node_jobs.held:
+            threading.Thread(target=self._watch_node_jobs, daemon=True).start()
+
+    def _watch_node_jobs(self):
+        """Each node job that runs: its node takes a lost one's place and ranks (BUSY: once
+        the recovery under way is over; FAILED: its job is cancelled)."""
+        while not (self.ended.wait(grow_back.POLL_S) or self.coordinator.fallen_back):
+            for job, index, node in self.node_jobs.running():
+                outcome = self._grow(job, index, node)
+                if outcome == GROWN:
+                    self.node_jobs.taken(job)
+                elif outcome == FAILED:
+                    self.node_jobs.cancel([job])
+
+    def _grow(self, job, index, node):
+        """The ranks of the launch's node INDEX, lost, start on NODE in node job JOB and join;
+        how it ended (Coordinator.grow). Not grown, a step they started is ended."""
+        per_node = self.allocation.per_node
+        lost = self.allocation.launch_nodes[index]
+
+        def start(generation):
+            self.growing = index
+            say("live recovery: the ranks of %s start again on %s (job %s)" % (lost, node, job))
+            self._start_node(index, "the ranks of %s" % lost,
+                             self.line.on(1, per_node, node, overlap=False).in_job(job),
+                             generation)
+
+        outcome = self.coordinator.grow(list(range(index * per_node, (index + 1) * per_node)),
+                                        start, node)
+        if outcome == GROWN:
+            self.allocation.launch_nodes[index] = node
+            self.in_job[index] = job
+        elif self.growing is not None:
+            end_step(self.replacements.pop(index))  # its ranks are not the training's
+        self.growing = None
+        return outcome
 
     def _restart(self, ranks, generation):
         """Start each of RANKS again on its own node, into GENERATION, alone in a step beside
@@ -629,6 +848,8 @@ class LiveLaunch:
         for rank in ranks:
             index, local_rank = divmod(rank, per_node)
             line = self.line.one_rank(nodes[index], local_rank)
+            if index in self.in_job:  # its node stands in for a lost one (grow_back.py)
+                line = line.in_job(self.in_job[index])
             env = dict(self.launch_env, **{
                 contract.REPLACEMENT_VAR: "%d/%d:%d/%d" % (index, len(nodes), local_rank,
                                                            per_node),
@@ -681,9 +902,13 @@ class LiveLaunch:
         """A replacement that ends before its ranks joined (no image there, no space, a bad
         node) is a fallback at once, not after JOIN_TIMEOUT_S."""
         status = proc.wait()
-        if status != 0 and self.coordinator.recovering and self.replacements[place] is proc:
-            self.coordinator.fall_back("%s, started again, ended with status %d before it "
-                                       "joined" % (what, status))
+        if status == 0 or self.replacements[place] is not proc:
+            return
+        why = "%s, started again, ended with status %d before it joined" % (what, status)
+        if self.coordinator.recovering:
+            self.coordinator.fall_back(why)
+        elif place == self.growing:
+            self.coordinator.abandon_grow(why)  # before its ranks came: the world stays smaller
 
     def started(self, proc):
         self.main = proc
@@ -718,15 +943,6 @@ class LiveLaunch:
         while time.monotonic() < deadline and not newer(released, verdict):
             time.sleep(WATCH_EVERY_S)
 
-    def _end_main(self):
-        """End the launch's srun and every task of its step: srun ends the step on a second
-        SIGINT within a second (srun(1), "Signals and escape sequences"); the pause keeps the
-        two signals apart (a signal pending twice is delivered once)."""
-        if self.main is not None and self.main.poll() is None:
-            for _ in range(2):
-                self.main.send_signal(signal.SIGINT)
-                time.sleep(0.1)
-
     def _give_up(self, why):
         """The ranks exit on Fallback; the launch ends with them, as a failed one does."""
         threading.Thread(target=self._end_after_fallback, daemon=True).start()
@@ -752,7 +968,8 @@ class LiveLaunch:
             say("live recovery: %s; ending the launch's step" % (
                 "%s has not ended" % stuck[0] if stuck else
                 "%d ranks never reached the coordinator" % (coordinator.world_size - len(peers))))
-            self._end_main()
+            if self.main is not None:
+                end_step(self.main)
 
     def _end_when_done(self):
         """Once every rank has ended its training, the launch's srun may still wait for the
@@ -770,6 +987,9 @@ class LiveLaunch:
         ended its training (the lost tasks' status says nothing more), else STATUS."""
         for proc in self.every_replacement:
             proc.wait()
+        self.ended.set()
+        if self.node_jobs is not None:
+            self.node_jobs.cancel()
         self.coordinator.stop()
         if self.coordinator.recoveries and self.coordinator.finished(wait_s=5.0) \
                 and all(proc.returncode == 0 for proc in self.replacements.values()):

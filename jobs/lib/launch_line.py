@@ -58,6 +58,12 @@ class LaunchLine:
         return LaunchLine(self.command, self.options, self.image, self.binds, self.entrypoint,
                           self.runtime, placement)
 
+    def in_job(self, job):
+        """This line as a step of another job of the user's, JOB (a node it holds for the
+        training, jobs/lib/grow_back.py), not of the job that runs it."""
+        return LaunchLine(self.command, self.options, self.image, self.binds, self.entrypoint,
+                          self.runtime, self.placement + ["--jobid=" + job])
+
     def one_rank(self, node, local_rank):
         """This line as one task on NODE, beside the launch (--overlap), in the place of its
         LOCAL_RANK: a --cpu-bind list of one entry per local rank keeps that rank's entry."""

@@ -73,6 +73,7 @@ class Settings:
         self.max_rank_restarts = xscale_settings.value("XSCALE_MAX_RANK_RESTARTS", env)
         self.heartbeat_s = xscale_settings.value("XSCALE_HEARTBEAT_S", env)
         self.min_nodes = xscale_settings.value("XSCALE_MIN_NODES", env)
+        self.grow_back = xscale_settings.value("XSCALE_GROW_BACK", env)
         self.job = requeue_id(env)
         self.attempt = int(env.get("SLURM_RESTART_COUNT") or 0)  # Slurm counts the requeues
         self.records_dir = xscale_settings.value("XSCALE_RECORDS_DIR", env) or os.path.join(
@@ -245,9 +246,10 @@ def live_launch(settings, allocation, line, log):
     if not ((settings.spares or settings.max_rank_restarts) and settings.live_recovery
             and line.built and allocation.per_node and len(allocation.launch_nodes) > 1):
         return None
+    grow_job = settings.env.get("SLURM_JOB_ID") if settings.grow_back else None
     return coordinator.LiveLaunch(allocation, line, log, settings.heartbeat_s,
                                   settings.max_rank_restarts, settings.patterns,
-                                  min_nodes(settings, allocation))
+                                  min_nodes(settings, allocation), grow_job)
 
 
 def min_nodes(settings, allocation):

@@ -52,6 +52,7 @@ from xscale.recovery import ddp as ddp_recovery
 from xscale.recovery import link as links
 from xscale.recovery import live
 from xscale.recovery.link import GroupBroken
+from xscale.recovery.protocol import WorldChange
 from xscale.reductions import SumMeter, all_reduce_sums, gather_to_rank0
 from xscale.shared import contract
 
@@ -232,16 +233,19 @@ class XscaleTrainer(Trainer):
     def take_world(self, rank: int, world: int, nnodes: int, launch_world: int) -> None:
         """Train on as RANK of WORLD ranks on NNODES nodes (live recovery found no spare): this
         rank's share of each step's global batch, which stays the one LAUNCH_WORLD ranks laid
-        out (xscale.data.Share): the same samples a step, the same steps, the same mean."""
+        out (xscale.data.Share): the same samples a step, the same steps, the same mean. In
+        the launch's world again (the lost ranks came back), this rank's own batches."""
         launch_accumulation = (self.args.gradient_accumulation_steps if self.share is None
                                else self.share.accumulation)
         self.ctx = replace(self.ctx, rank=rank, world_size=world, nnodes=nnodes)
         self.tally.clock.world_size = world
         _tell_accelerate(rank, world)
-        self.share = data.Share.dealt(launch_world, launch_accumulation,
-                                      self.args.per_device_train_batch_size, rank, world)
+        self.share = None if world == launch_world else data.Share.dealt(
+            launch_world, launch_accumulation, self.args.per_device_train_batch_size, rank,
+            world)
         # Trainer's loop takes this many batches a step, and counts its epoch's steps by it.
-        self.args.gradient_accumulation_steps = len(self.share.micro_batches)
+        self.args.gradient_accumulation_steps = (launch_accumulation if self.share is None
+                                                 else len(self.share.micro_batches))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """Trainer.train, from the newest whole checkpoint unless told otherwise; then the stop
@@ -726,8 +730,7 @@ class TrainerPlace(NamedTuple):
     scheduler: dict
     scaler: dict | None
     save_every: int | None
-    nnodes: int  # the nodes the world trains on (fewer than the launch's after a shrink)
-    shrinks: tuple[tuple[int, int, int, float], ...] = ()  # runtime.Shrinks.handed()
+    shrinks: tuple[WorldChange, ...] = ()  # runtime.Shrinks.handed()
 
 
 class _TrainingDone(Exception):
@@ -858,14 +861,14 @@ class _LiveSteps(TrainerCallback):
             self._place = recovered.position
             trainer.shrinks.take(self._place.shrinks)
             if dist.get_world_size() != trainer.ctx.world_size:
-                self._go_on_smaller(self._place.step, launch_world)
+                self._go_on_in_new_world(self._place.step, launch_world)
             if trainer.ctx.is_main:
                 print(f"{runtime.script_name()}: live recovery: training goes on at step "
                       f"{self._place.step}, {recovered.seconds:.1f} s after this rank left the "
                       f"broken group (the state's transfer: {recovered.handover_s:.2f} s)",
                       flush=True)
         elif dist.get_world_size() != launch_world:  # started again in a smaller world
-            trainer.take_world(dist.get_rank(), dist.get_world_size(), self._place.nnodes,
+            trainer.take_world(dist.get_rank(), dist.get_world_size(), self.live.link.nnodes,
                                launch_world)
         place, self._place = self._place, None
         optimizer = _torch_optimizer(trainer.optimizer)
@@ -879,18 +882,23 @@ class _LiveSteps(TrainerCallback):
         trainer.rejoined(place.save_every)
         return self._folder
 
-    def _go_on_smaller(self, step: int, launch_world: int) -> None:
+    def _go_on_in_new_world(self, step: int, launch_world: int) -> None:
         """No spare was left: this rank's number in the smaller world (the coordinator's) and
-        its share of each step from here (XscaleTrainer.take_world)."""
+        its share of each step from here (XscaleTrainer.take_world); or the lost ranks came
+        back: the launch's world again."""
         trainer, world = self.trainer, dist.get_world_size()
-        nodes = len(set(runtime.every_node()))
+        nodes = self.live.link.nnodes
         trainer.take_world(dist.get_rank(), world, nodes, launch_world)
-        trainer.shrinks.went_on(step, world, nodes)
         share = trainer.share
+        if share is None:
+            trainer.shrinks.whole_again(step)
+            line = runtime.grew_back(runtime.script_name(), world, nodes, step)
+        else:
+            trainer.shrinks.went_on(step, world, nodes)
+            line = runtime.went_smaller(runtime.script_name(), world, nodes,
+                                        share.per_step * share.world, len(share.micro_batches))
         if trainer.ctx.is_main:
-            print(runtime.went_smaller(runtime.script_name(), world, nodes,
-                                       share.per_step * share.world, len(share.micro_batches)),
-                  flush=True)
+            print(line, flush=True)
 
     def _here(self) -> TrainerPlace:
         """This rank's place; the source rank's is every rank's after the hand-over."""
@@ -901,7 +909,7 @@ class _LiveSteps(TrainerCallback):
                             scheduler=trainer.lr_scheduler.state_dict(),
                             scaler=None if scaler is None else scaler.state_dict(),
                             save_every=None if auto is None else auto.every,
-                            nnodes=trainer.ctx.nnodes, shrinks=trainer.shrinks.handed())
+                            shrinks=trainer.shrinks.handed())
 
     def holds(self, checkpoint: str | None) -> bool:
         """Whether CHECKPOINT is the folder that stands for the state in memory."""

@@ -64,7 +64,7 @@ from xscale.observe.throughput import Throughput
 from xscale.recovery import ddp as ddp_recovery
 from xscale.recovery import live
 from xscale.recovery.link import GroupBroken
-from xscale.recovery.protocol import Position
+from xscale.recovery.protocol import Position, WorldChange
 from xscale.reductions import all_reduce_sums, gather_to_rank0
 from xscale.shared import contract, settings
 
@@ -224,22 +224,26 @@ def default_run_name() -> str:
 
 class Shrinks:
     """Each smaller world a run went on in after live recovery found no spare (Loop's and
-    XscaleTrainer's), for the summary."""
+    XscaleTrainer's), and where it grew back to the launch's, for the summary."""
 
     def __init__(self) -> None:
-        self._worlds: list[tuple[int, int, int, float]] = []  # step, ranks, nodes, since
+        self._worlds: list[WorldChange] = []  # since: time.perf_counter()
 
     def went_on(self, step: int, world_size: int, nodes: int) -> None:
         self._worlds.append((step, world_size, nodes, time.perf_counter()))
 
-    def handed(self) -> tuple[tuple[int, int, int, float], ...]:
+    def whole_again(self, step: int) -> None:
+        """The lost nodes' ranks came back (docs/FAILURES.md, "Growing back") at STEP."""
+        self._worlds.append((step, None, None, time.perf_counter()))
+
+    def handed(self) -> tuple[WorldChange, ...]:
         """Each smaller world so far, as a position hands it to another process: its step,
         ranks, nodes, and how many seconds ago it began (clocks are not shared)."""
         now = time.perf_counter()
         return tuple((step, world_size, nodes, now - since)
                      for step, world_size, nodes, since in self._worlds)
 
-    def take(self, handed: tuple[tuple[int, int, int, float], ...]) -> None:
+    def take(self, handed: tuple[WorldChange, ...]) -> None:
         """Go on with the source rank's worlds (handed): a rank started again after a shrink
         has none of its own, and its summary (rank 0's) must say when the run shrank."""
         now = time.perf_counter()
@@ -247,14 +251,16 @@ class Shrinks:
                         for step, world_size, nodes, ago in handed]
 
     def done(self) -> list[dict[str, Any]] | None:
-        """From which step, its ranks and nodes, and the seconds it trained so (until the next,
-        or the end); None: the run never shrank."""
+        """Each smaller world: from which step, until which (None: the end), its ranks and
+        nodes, and the seconds it trained so; None: the run never shrank."""
         if not self._worlds:
             return None
-        ends = [since for *_, since in self._worlds[1:]] + [time.perf_counter()]
-        return [{"step": step, "world_size": world_size, "nodes": nodes,
+        ends = [(step, since) for step, _, _, since in self._worlds[1:]] + [
+            (None, time.perf_counter())]
+        return [{"step": step, "until": until, "world_size": world_size, "nodes": nodes,
                  "seconds": round(end - since, 3)}
-                for (step, world_size, nodes, since), end in zip(self._worlds, ends, strict=True)]
+                for (step, world_size, nodes, since), (until, end)
+                in zip(self._worlds, ends, strict=True) if world_size is not None]
 
 
 def went_smaller(prog: str, world_size: int, nodes: int, global_batch: int,
@@ -265,11 +271,10 @@ def went_smaller(prog: str, world_size: int, nodes: int, global_batch: int,
             f"over them ({micro_batches} micro-batches on rank 0)")
 
 
-def every_node() -> list[str]:
-    """Every rank's node, in rank order, on every rank (a collective)."""
-    nodes: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(nodes, contract.node_name())
-    return nodes
+def grew_back(prog: str, world_size: int, nodes: int, step: int) -> str:
+    """Rank 0's line when the lost nodes' ranks came back: the launch's world again."""
+    return (f"{prog}: the lost ranks are back: training goes on as the launch's {world_size} "
+            f"ranks on {nodes} nodes from step {step}, each rank on its own part of each step")
 
 
 class RunTally:
@@ -480,7 +485,7 @@ class Loop:
         if received is not None and dist.get_world_size() != ctx.world_size:
             # Started again in a smaller world (its own failure, after a shrink): the number
             # the coordinator gave it there, and its share of each step.
-            self._take_world(dist.get_rank(), dist.get_world_size(), received.nnodes)
+            self._take_world(dist.get_rank(), dist.get_world_size(), self.live.link.nnodes)
             ctx = self.ctx
         self.saver, resumed = _saver_and_resume(ctx, model, optimizer, scaler, scheduler, config,
                                                 config.resume and not joining)
@@ -739,7 +744,7 @@ class Loop:
         if self.step < left_step:  # a sharded kind rolled back to a snapshot
             self.tally.rolled_back(self.step, left_step - self.step, left_at)
         if dist.get_world_size() != self.ctx.world_size:
-            self._go_on_smaller()
+            self._go_on_in_new_world()
         else:
             self.stragglers.restart(gather_to_rank0(contract.node_name()),  # a node changed
                                     micro_batches=self.micro_batches)
@@ -747,14 +752,20 @@ class Loop:
                      f"{recovered.seconds:.1f} s after this rank left the broken group (the "
                      f"state's transfer: {recovered.handover_s:.2f} s)")
 
-    def _go_on_smaller(self) -> None:
+    def _go_on_in_new_world(self) -> None:
         """No spare was left: this rank has a new number in a smaller world (the coordinator's,
         xscale.recovery.link), and takes its share of each step's global batch, which stays
-        the launch's (xscale.data.Share): the same samples, the same steps, the same mean."""
+        the launch's (xscale.data.Share): the same samples, the same steps, the same mean. Or
+        the lost ranks came back: the launch's world again, each rank on its own part."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        nodes = every_node()
-        self._take_world(rank, world, len(set(nodes)))
+        # Rank 0's list of the nodes, as a joining rank's straggler watch gathers it.
+        nodes = gather_to_rank0(contract.node_name())
+        self._take_world(rank, world, self.live.link.nnodes)
         self.stragglers.restart(nodes, rank, world, self.micro_batches)
+        if self.sampler.share is None:
+            self.shrinks.whole_again(self.step)
+            self.message(grew_back(self.prog, world, self.ctx.nnodes, self.step))
+            return
         self.shrinks.went_on(self.step, world, self.ctx.nnodes)
         self.message(went_smaller(self.prog, world, self.ctx.nnodes, self._global_batch,
                                   self.micro_batches))
@@ -762,10 +773,10 @@ class Loop:
     def _take_world(self, rank: int, world: int, nnodes: int) -> None:
         """Train on as RANK of WORLD ranks on NNODES nodes, with this rank's share of each
         step's global batch (the launch's ranks laid it out; the script's sampler keeps that
-        layout)."""
+        layout), or, in the launch's world, its own part."""
         self.ctx = replace(self.ctx, rank=rank, world_size=world, nnodes=nnodes)
-        self.sampler.share = data.Share.dealt(self.sampler.num_replicas, self.accumulation,
-                                              self.batch_size, rank, world)
+        self.sampler.share = None if world == self.sampler.num_replicas else data.Share.dealt(
+            self.sampler.num_replicas, self.accumulation, self.batch_size, rank, world)
         self.tally.clock.world_size = world
 
     @property
@@ -779,7 +790,7 @@ class Loop:
             step=self.step, log_from=self.log.start_step, saved_step=self.saved_step,
             saved_path=None if self.saved_path is None else str(self.saved_path),
             checkpoint_every=self.checkpoint_every, auto_every=self.auto_every,
-            scheduler=self._schedules[0], scaler=self._schedules[1], nnodes=self.ctx.nnodes,
+            scheduler=self._schedules[0], scaler=self._schedules[1],
             shrinks=self.shrinks.handed())
 
     def _take_position(self, position: Position) -> None:

@@ -37,7 +37,8 @@ Usage: tests/cluster/fault.sh VERB NODE [ARGS]
                        the snapshots' CRC-32 must catch
   drain NODE REASON    drain NODE with REASON, as an administrator would
   heal [NODE...]       undo all of the above on the nodes (default: every node), resume them and
-                       wait until they are idle
+                       wait until they are idle (with XSC_IN_SERVICE=1: idle or running a job,
+                       as when a pending job takes a healed node at once)
   status               one line per node: hsn0, /tmp use, slurmd, Slurm state, hsn0's rate,
                        the directories whose reads are slowed
 

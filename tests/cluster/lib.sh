@@ -108,20 +108,29 @@ xsc_start_slurmd() {
 xsc_checkout_id() { stat -c '%n %d:%i' "$XSC_CHECKOUT"; }
 
 # True when sinfo shows every named node idle.
-xsc_all_idle() {
-  local states node
+# Whether every named node is in one of STATES (sinfo's short names, e.g. "idle alloc").
+xsc_all_in() {
+  local wanted=" $1 " states node
+  shift
   states=" $(sinfo -h -N -o '%N=%t' 2>/dev/null | tr '\n' ' ')"
   for node in "$@"; do
-    [[ $states == *" $node=idle "* ]] || return 1
+    [[ $states =~ \ $node=([a-z]+)\  && $wanted == *" ${BASH_REMATCH[1]} "* ]] || return 1
   done
 }
 
-# Wait (bounded) until every named node is idle; this polls a real state, not a timed sleep.
+xsc_all_idle() {
+  xsc_all_in idle "$@"
+}
+
+# Wait (bounded) until every named node is idle (or, with XSC_IN_SERVICE=1, in service: idle
+# or running a job, e.g. a pending job that took a healed node at once); this polls a real
+# state, not a timed sleep.
 xsc_wait_idle() {
-  local timeout_s=$1 deadline
+  local timeout_s=$1 deadline states=idle
   shift
+  [[ ${XSC_IN_SERVICE:-0} == 1 ]] && states="idle alloc mix"
   deadline=$((SECONDS + timeout_s))
-  until xsc_all_idle "$@"; do
+  until xsc_all_in "$states" "$@"; do
     (( SECONDS < deadline )) || xsc_die "nodes $* not idle after ${timeout_s}s" \
       "(sinfo: $(sinfo -h -N -o '%N=%t' 2>/dev/null | tr '\n' ' ')); see /var/log/slurm/"
     sleep 0.2

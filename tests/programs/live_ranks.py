@@ -20,6 +20,9 @@ rank): a rollback to a snapshot that did not set the generators back would draw 
 - The rank in HOLD_RANK waits after its optimizer step of DIE_AT until the group is known
   broken, so that it recovers a step behind the others (as a survivor does whose ring
   all-reduce ended later than another's).
+- Rank 0, in a smaller world, waits after its step WAIT_AT until the group is known broken
+  (the coordinator takes the lost ranks back in; the others wait for it in the next step's
+  all-reduce meanwhile): the run does not end before they are back.
 - After step EVALUATE_AT every rank evaluates the model (xscale.vision.evaluate_classifier, as
   a one-class classifier: its accuracy is 1, or NaN when the evaluation was cut short).
 
@@ -58,6 +61,7 @@ ACCUMULATION = int(os.environ.get("ACCUMULATION", "1"))
 PREPARED = os.environ.get("FORM", "loop") == "prepared"
 CHECKPOINT_EVERY = int(os.environ.get("CHECKPOINT_EVERY", "0"))
 EVALUATE_AT = int(os.environ.get("EVALUATE_AT", "-1"))
+WAIT_AT = int(os.environ.get("WAIT_AT", "-1"))
 SHARDED = os.environ.get("MODEL", "ddp") == "fsdp"
 DEEPSPEED = os.environ.get("MODEL", "ddp") == "deepspeed"
 ZERO_STAGE = int(os.environ.get("ZERO_STAGE", "1"))
@@ -162,6 +166,9 @@ def with_loop(ctx: xscale.Context, model: nn.Module, optimizer: torch.optim.Opti
             os.kill(os.getpid(), DIE_HOW)
         if loop.step == EVALUATE_AT and loop._micro == 0 and not REPLACEMENT:
             watch.evaluate(ctx)
+        if loop.step == WAIT_AT and loop._micro == 0 and ctx.rank == 0 \
+                and loop.ctx.world_size < ctx.world_size:  # not yet grown back
+            links.link().broken.wait(timeout=60)
     loop.finish()
     return watch
 

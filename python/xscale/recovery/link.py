@@ -142,6 +142,11 @@ class Link:
         self.joined.clear()
 
     @property
+    def nnodes(self) -> int:
+        """The nodes the group just formed runs on (fewer than the launch's in a smaller world)."""
+        return self.join.nodes
+
+    @property
     def source(self) -> int:
         """The rank whose state every rank takes in the group just formed."""
         return self.join.source

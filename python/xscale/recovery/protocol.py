@@ -22,6 +22,11 @@ class Place(Protocol):
     def step(self) -> int: ...
 
 
+# A world a run went on in after live recovery changed it (runtime.Shrinks): its first step,
+# ranks and nodes (None: the launch's world again), and when it began, in seconds.
+WorldChange = tuple[int, int | None, int | None, float]
+
+
 @dataclass(frozen=True)
 class Position:
     """Where a loop is, as the source rank sends it after a recovery: the optimizer steps done
@@ -29,8 +34,7 @@ class Position:
     its newest checkpoint and its checkpoint interval (auto_every: not yet decided), the
     state dicts of its LR scheduler and GradScaler (None: the loop has none), which the script
     steps with the optimizer: a replacement's start at step 0, a rollback's at the later step;
-    the nodes the world trains on (fewer than the launch's after a shrink: a rank started
-    again there takes the number), and the smaller worlds so far (its summary names them)."""
+    and the smaller worlds so far (its summary names them)."""
 
     step: int
     log_from: int
@@ -40,8 +44,7 @@ class Position:
     auto_every: bool
     scheduler: dict | None = None
     scaler: dict | None = None
-    nnodes: int | None = None
-    shrinks: tuple[tuple[int, int, int, float], ...] = ()  # runtime.Shrinks.handed()
+    shrinks: tuple[WorldChange, ...] = ()  # runtime.Shrinks.handed()
 
 
 class StateSize(NamedTuple):

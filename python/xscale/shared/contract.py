@@ -131,6 +131,7 @@ class Join(NamedTuple):
     store: list  # [host, port]
     source: int  # the rank whose state every rank takes
     ranks: list = None  # a smaller world: its ranks' numbers before, in their new order
+    nodes: int = None  # how many nodes the generation's ranks run on
 
 
 class Fallback(NamedTuple):

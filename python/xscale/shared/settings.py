@@ -288,6 +288,10 @@ SETTINGS = (
             "with live recovery and no spare left: the fewest nodes the ranks left may train on "
             "without a lost node, each step's global batch dealt over them (default: the job's "
             "nodes minus its spares, halved); below it, the usual restart or requeue", JOBS),
+    Setting("XSCALE_GROW_BACK", flag(), True,
+            "with live recovery and a smaller world: ask the queue for a node in place of each "
+            "lost one (a one-node job named xscale-grow-JOBID, for the job's time left) and take "
+            "it into the training once it runs; 0: the world stays smaller", JOBS),
     Setting("XSCALE_HEARTBEAT_S", number(above=0, unit="seconds"), 30.0,
             "with live recovery: a rank silent this long is lost with its node (a frozen node)",
             JOBS),
