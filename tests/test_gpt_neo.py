@@ -351,6 +351,51 @@ def test_trainers_ranks_left_draw_each_step_the_batches_the_launchs_ranks_would_
     assert launch[0][0] != launch[0][1]  # the epochs are shuffled apart
 
 
+def test_trainers_ranks_left_draw_the_next_epoch_as_the_launch_does_with_workers():
+    """A smaller world's loader as Trainer drives it, with a DataLoader worker (which calls
+    iter() on the batch sampler twice and uses the second): the epoch it resumed mid-way (its
+    first batches skipped), then set_epoch and the next. Each step's batches are the launch's
+    four ranks' in both epochs. (An eager _SharedBatches drew each epoch when iter() was
+    called, moving accelerate's sampler on: the second epoch came in the third's order, seen
+    on the bed as a Trainer run leaving the uninterrupted one's course at the epoch's end.)"""
+    import torch
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+    from torch.utils.data import DataLoader, RandomSampler
+    from xscale import data, hf
+
+    samples, world, size, ranks, resumed_at = list(range(192)), 4, 4, 2, 4  # 12 steps an epoch
+
+    def loader(processes: int, rank: int, workers: int = 0) -> DataLoader:
+        torch.manual_seed(42)  # accelerate's sampler takes its seed from torch's
+        plain = DataLoader(samples, batch_size=size, sampler=RandomSampler(samples),
+                           collate_fn=tuple, num_workers=workers)
+        return prepare_data_loader(plain, num_processes=processes, process_index=rank,
+                                   put_on_device=False, use_seedable_sampler=True)
+
+    def epochs(drawn: DataLoader, skip: int = 0) -> list[list[tuple]]:
+        passes = []
+        for epoch in range(2):
+            drawn.set_epoch(epoch)
+            passes.append(list(skip_first_batches(drawn, skip) if epoch == 0 and skip
+                               else drawn))
+        return passes
+
+    launch = [epochs(loader(world, rank)) for rank in range(world)]
+    left = []
+    for rank in range(ranks):
+        accelerates = loader(ranks, rank, workers=1)
+        shared = hf._SharedBatches(accelerates.batch_sampler,
+                                   data.Share.dealt(world, 1, size, rank, ranks))
+        left.append(epochs(hf._drawing(accelerates, shared), skip=resumed_at * 2))
+    for epoch, first in ((0, resumed_at), (1, 0)):
+        for step in range(first, 12):
+            theirs = sorted(drawn[epoch][step] for drawn in launch)
+            ours = sorted(drawn[epoch][(step - first) * 2 + micro]
+                          for drawn in left for micro in range(2))
+            assert ours == theirs, (epoch, step)
+    assert launch[0][0] != launch[0][1]  # the epochs are shuffled apart
+
+
 def test_trainers_keyed_batches_are_accelerates_each_index_with_its_epochs_seed():
     """XscaleTrainer's batch sampler on one of two ranks (hf._KeyedBatches): the batches
     accelerate deals that rank, each index with its seed for the epoch the loader sets, which

@@ -413,11 +413,15 @@ class _SharedBatches(BatchSampler):
         self._steps = len(self._dealt(self.batch_sampler, process_index=0)) // share.accumulation
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch = list(self.batch_sampler)  # drawn once: the sampler moves to its next epoch
+        # A generator: the epoch is drawn when the first batch is asked for, not when iter()
+        # is called. Drawing moves the sampler to its next epoch, and a DataLoader with
+        # workers calls iter() twice and uses the second: an eager draw gave each epoch after
+        # the first the order of the one after it.
+        epoch = list(self.batch_sampler)
         drawn = {owner: list(self._dealt(_Batches(epoch, self.batch_sampler),
                                          process_index=owner))
                  for owner in self.share.owners}
-        return self.share.batches(drawn, self._steps)
+        yield from self.share.batches(drawn, self._steps)
 
     def __len__(self) -> int:
         return self._steps * len(self.share.micro_batches)
