@@ -443,15 +443,20 @@ class Coordinator:
         order: a rank knows itself by those)."""
         with self.changed:
             before = [peer.rank for peer in survivors]
-            layout = self.layout or list(range(self.world_size))
-            self.layout = [layout[rank] for rank in before]
-            self.peers = {}
-            for rank, peer in enumerate(survivors):
-                peer.rank = rank
-                self.peers[rank] = peer
-            self.world_size = len(survivors)
-            self.changed.notify_all()
+            self._take_layout({self._launch_rank(peer.rank): peer for peer in survivors})
         return before
+
+    def _take_layout(self, by_launch):
+        """The world becomes BY_LAUNCH's ranks ({launch's number: Peer}), numbered in the
+        launch's order. Called with the lock held."""
+        self.layout = sorted(by_launch)
+        self.peers = {}
+        for rank, launch_rank in enumerate(self.layout):
+            peer = by_launch[launch_rank]
+            peer.rank, peer.last_beat = rank, self.now()
+            self.peers[rank] = peer
+        self.world_size = len(self.layout)
+        self.changed.notify_all()
 
     def _launch_rank(self, rank):
         """RANK as the launch numbered it (the same, unless the world shrank)."""
@@ -621,14 +626,8 @@ class Coordinator:
             for peer in self.arriving.values():
                 peer.generation = self.generation + 1  # (a recovery may have come meanwhile)
             by_launch.update(self.arriving)
-            self.layout = sorted(by_launch)
-            self.peers = {}
-            for rank, launch_rank in enumerate(self.layout):
-                peer = by_launch[launch_rank]
-                peer.rank, peer.last_beat = rank, self.now()
-                self.peers[rank] = peer
-            self.world_size, self.arriving = len(self.layout), {}
-            self.changed.notify_all()
+            self.arriving = {}
+            self._take_layout(by_launch)
         return survivors[0]
 
     def fall_back(self, why):

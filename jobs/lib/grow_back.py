@@ -13,11 +13,10 @@ Standard library only, Python 3.6: the batch host's system Python.
 """
 
 import re
-import subprocess
 import threading
 import time
 
-from shared import say
+from shared import output_of, say
 
 NAME_PREFIX = "xscale-grow-"
 POLL_S = 3.0  # how often the queue is asked whether a node job runs
@@ -25,16 +24,6 @@ HOLD = "exec sleep 2147483647"  # what a node job runs: its ranks come as steps
 COPIED = (("Partition", "--partition"), ("Account", "--account"), ("QOS", "--qos"),
           ("Reservation", "--reservation"), ("Features", "--constraint"))
 UNSET = ("", "(null)", "None")
-
-
-def run(argv):
-    """ARGV's output, or None when it failed (it said why on stderr)."""
-    try:
-        proc = subprocess.run(argv, stdout=subprocess.PIPE, universal_newlines=True)
-    except OSError as error:
-        say("live recovery: %s: %s" % (argv[0], error))
-        return None
-    return proc.stdout if proc.returncode == 0 else None
 
 
 def job_fields(record):
@@ -71,11 +60,11 @@ class NodeJobs:
 
     def ask(self, index, lost):
         """Submit a node job for the launch's node INDEX, which LOST was."""
-        record = run(["scontrol", "show", "job", "-o", self.job_id]) or ""
+        record = output_of(["scontrol", "show", "job", "-o", self.job_id]) or ""
         argv = (["sbatch", "--parsable", "--nodes=1", "--exclusive", "--no-requeue",
                  "--job-name=" + NAME_PREFIX + self.job_id, "--output=/dev/null"]
                 + node_job_options(job_fields(record), time.time()) + ["--wrap=" + HOLD])
-        submitted = run(argv)
+        submitted = output_of(argv)
         if not submitted:
             say("live recovery: the queue took no job for a node in place of %s: the world "
                 "stays smaller" % lost)
@@ -93,7 +82,7 @@ class NodeJobs:
             jobs = sorted(self.asked)
         if not jobs:
             return []
-        listed = run(["squeue", "--noheader", "--jobs=" + ",".join(jobs),
+        listed = output_of(["squeue", "--noheader", "--jobs=" + ",".join(jobs),
                       "--format=%i %T %N"])
         if listed is None:
             return []  # slurmctld busy, or every job gone: asked again at the next poll
@@ -122,4 +111,4 @@ class NodeJobs:
             for job in jobs:
                 self.asked.pop(job, None)
         if jobs:
-            run(["scancel"] + jobs)
+            output_of(["scancel"] + jobs)

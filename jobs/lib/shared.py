@@ -13,11 +13,22 @@ imports need a newer Python.
 
 import importlib.util
 import os
+import subprocess
 import sys
 
 
 def say(text):
     print("xscale: " + text, file=sys.stderr, flush=True)
+
+
+def output_of(argv):
+    """ARGV's output (a Slurm command's), or None when it failed (it said why on stderr)."""
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, universal_newlines=True)
+    except OSError as error:
+        say("%s: %s" % (argv[0], error))
+        return None
+    return proc.stdout if proc.returncode == 0 else None
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -44,7 +44,7 @@ from allocation import Allocation, AllocationError
 from attempt import Attempt
 from launch_line import LaunchLine
 from launches import SupervisedLaunch, stop_signals
-from shared import contract, hostlist, say
+from shared import contract, hostlist, output_of, say
 from shared import settings as xscale_settings
 
 UserError = xscale_settings.UserError  # a setting or input the user can fix: one line and status 2
@@ -494,9 +494,7 @@ def requeue_without(job, nodes):
 
 def scontrol(*args):
     """scontrol's output, or None when it failed (it said why on stderr)."""
-    proc = subprocess.run(["scontrol"] + list(args), stdout=subprocess.PIPE,
-                          universal_newlines=True)
-    return proc.stdout if proc.returncode == 0 else None
+    return output_of(["scontrol"] + list(args))
 
 
 def launch_line(args):
