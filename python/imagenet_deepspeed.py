@@ -9,8 +9,9 @@ training/imagenet), sharing imagenet.py's data, models and command line.
 DeepSpeed joins the process group that xscale opened from run.sh's RANK/WORLD_SIZE/LOCAL_RANK/
 MASTER_* (without them it would look for mpi4py). Precision, ZeRO stage and optimizer come from
 the JSON config; --batch-size (per node, divided among its ranks) and --lr override it. On a CPU
-(DS_ACCELERATOR=cpu) use python/configs/ds_cpu_z1.json: fp32, ZeRO-1, torch's Adam. DataLoader
-workers are per rank here (-j 7: the 7 cores of a GCD's CCD).
+(DS_ACCELERATOR=cpu) use python/configs/ds_cpu_z1.json: fp32, ZeRO-1, torch's Adam
+(ds_cpu_z3.json: the same with ZeRO-3, the weights sharded too). DataLoader workers are per rank
+here (-j 7: the 7 cores of a GCD's CCD).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ def test_shipped_deepspeed_configs_parse_and_scale_to_any_world_size():
     assert ds.load_config(configs / "ds_bf16_z2.json")["bf16"]["enabled"] is True
     cpu = ds.load_config(configs / "ds_cpu_z1.json")
     assert cpu["optimizer"]["params"]["torch_adam"] is True
+    assert ds.load_config(configs / "ds_cpu_z3.json") == {
+        **cpu, "zero_optimization": {"stage": 3}}  # ZeRO 3 on CPUs: the same but the stage
     # The example's 256 on 8 GCDs is 32 each; the same file on 16 ranks keeps 16 each.
     assert ds.batch_sizes(fp16, 8, None)["train_micro_batch_size_per_gpu"] == 32
     scaled = ds.batch_sizes(fp16, 16, None)

@@ -659,6 +659,7 @@ SHARDED = {
     "fsdp": ({"MODEL": "fsdp"}, ()),
     "zero-1": ({"MODEL": "deepspeed", "ZERO_STAGE": "1"}, ("deepspeed",)),
     "zero-2": ({"MODEL": "deepspeed", "ZERO_STAGE": "2"}, ("deepspeed",)),
+    "zero-3": ({"MODEL": "deepspeed", "ZERO_STAGE": "3"}, ("deepspeed",)),
 }
 
 
@@ -678,17 +679,21 @@ HEARTBEAT_S = {"killed": 30.0, "frozen-in-an-exchange": 6.0}
 
 
 @pytest.mark.parametrize("kind, fault", [("fsdp", "frozen-in-an-exchange"),
-                                         ("zero-1", "killed"), ("zero-2", "killed")])
+                                         ("zero-1", "killed"), ("zero-2", "killed"),
+                                         ("zero-3", "killed")])
 def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path: Path,
                                                                         kind: str, fault: str):
-    """FSDP2, or a DeepSpeed engine with ZeRO stage 1 or 2, as the loop's model (live_ranks.py),
-    three ranks on three nodes, a peer snapshot every 10 steps: rank 2 is lost (FAULTS). Its
-    shard (FSDP2's of the weights and the optimizer's state, ZeRO's fp32 partition and its
-    optimizer state) is held by no other rank but in its buddy's snapshot (rank 0's, the same
-    local rank on the next node): the replacement takes it from there, the survivors keep their
-    processes and roll back in place to the newest step whose snapshot every rank holds (ZeRO's
-    counters and LR warm-up with them), and the run ends with the model and optimizer state an
-    uninterrupted run ends with, whole on every rank. No checkpoint is read (there is none)."""
+    """FSDP2, or a DeepSpeed engine with ZeRO stage 1, 2 or 3, as the loop's model
+    (live_ranks.py), three ranks on three nodes, a peer snapshot every 10 steps: rank 2 is lost
+    (FAULTS). Its shard (FSDP2's of the weights and the optimizer's state, ZeRO's fp32 partition
+    and its optimizer state) is held by no other rank but in its buddy's snapshot (rank 0's, the
+    same local rank on the next node): the replacement takes it from there, the survivors keep
+    their processes and roll back in place to the newest step whose snapshot every rank holds
+    (ZeRO's counters and LR warm-up with them), and the run ends with the model and optimizer
+    state an uninterrupted run ends with, whole on every rank. No checkpoint is read (there is
+    none). The replacement's engine starts without the survivors (ZeRO 3's broadcast of each
+    weight, its barriers and gathers included); ZeRO 3 gathers the weights in the forward,
+    where the break can come, but its biases, which it keeps whole on every rank."""
     from tests.conftest import torch_extensions  # DeepSpeed's CPU op, built once
 
     model, preload = SHARDED[kind]

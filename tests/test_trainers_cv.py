@@ -664,20 +664,23 @@ def noted(progress: Path, event: str) -> bool:
     return any(f'"event": "{event}"' in line for line in lines)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
 def test_imagenet_deepspeed_outlives_a_crashed_node_from_peer_snapshots(cluster, images,
-                                                                         tmp_path):
-    """DeepSpeed ZeRO-1 (ds_cpu_z1.json) on three nodes, one rank each, and a spare: each rank
-    holds its own partition of the fp32 weights and of Adam's state, copied every 4 steps to
-    its buddy on the next node. nid002 crashed mid-run: as under FSDP2 above, the spare's rank
+                                                                         tmp_path, stage: int):
+    """DeepSpeed ZeRO-1 (ds_cpu_z1.json) or ZeRO-3 (ds_cpu_z3.json) on three nodes, one rank
+    each, and a spare: each rank holds its own partition of the fp32 weights and of Adam's
+    state (and, under ZeRO-3, of the weights the forward gathers), copied every 4 steps to its
+    buddy on the next node. nid002 crashed mid-run: as under FSDP2 above, the spare's rank
     takes the lost partition from its buddy and the survivors roll back in place, the engine's
     counters and scheduler with them. (That the weights then end as an uninterrupted run's:
     tests/test_recovery.py, on real processes.)"""
     folder, _ = images
     steps = 12
-    text = crashed_under_snapshots(cluster, tmp_path, DEEPSPEED, *DS_TINY, "-b", "16", "-j",
-                                   "1", "--max-steps", str(steps), str(folder), **DS_ENV)
+    config = ["--deepspeed_config", f"python/configs/ds_cpu_z{stage}.json"]
+    text = crashed_under_snapshots(cluster, tmp_path, DEEPSPEED, *DS_TINY, *config, "-b", "16",
+                                   "-j", "1", "--max-steps", str(steps), str(folder), **DS_ENV)
     summary = tagged_records(text, "XSCALE_SUMMARY")[-1]
-    assert summary["steps"] == steps and summary["zero_stage"] == 1, summary
+    assert summary["steps"] == steps and summary["zero_stage"] == stage, summary
 
 
 def crashed_under_snapshots(cluster, tmp_path: Path, *command: str, training_nodes: int = 3,

@@ -63,6 +63,7 @@ from xscale.observe import (
 from xscale.observe.throughput import Throughput
 from xscale.recovery import ddp as ddp_recovery
 from xscale.recovery import live
+from xscale.recovery import zero as zero_recovery
 from xscale.recovery.link import GroupBroken
 from xscale.recovery.protocol import Position, WorldChange
 from xscale.reductions import all_reduce_sums, gather_to_rank0
@@ -93,6 +94,7 @@ def start(*, backend: str | None = None, init_method: str | None = None,
     ctx = init_distributed(backend=backend, init_method=init_method, require_gpu=require_gpu,
                            **placement)
     ddp_recovery.prepare_replacement()  # before the script builds its DDP model
+    zero_recovery.prepare_replacement()  # or its DeepSpeed engine
     warn_misspelled_settings(ctx.is_main)
     startup.mark("group")
     global _started

@@ -209,15 +209,19 @@ def sharded(layers: nn.Sequential, ctx: xscale.Context) -> nn.Module:
 
 
 def engine_digest(engine: Any) -> float:
-    """The whole model (every rank holds it in ZeRO 1 and 2) and the optimizer's state, whose
-    partitions are summed over the ranks (a collective): the same on every rank."""
+    """The whole model (every rank holds it in ZeRO 1 and 2; ZeRO 3's is gathered) and the
+    optimizer's state, whose partitions are summed over the ranks (collectives): the same on
+    every rank."""
+    import deepspeed
     import torch.distributed as dist
 
     partitions = [value for state in engine.optimizer.optimizer.state.values()
                   for value in state.values() if torch.is_tensor(value)]
     summed = torch.tensor([float(sum(t.double().sum() for t in partitions))], dtype=torch.float64)
     dist.all_reduce(summed)
-    return float(sum(p.double().sum() for p in engine.module.parameters()) + summed[0])
+    parameters = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(parameters, enabled=ZERO_STAGE == 3):
+        return float(sum(p.double().sum() for p in parameters) + summed[0])
 
 
 def deepspeed_engine(layers: nn.Module) -> Any:
@@ -232,7 +236,11 @@ def deepspeed_engine(layers: nn.Module) -> Any:
               "scheduler": {"type": "WarmupLR", "params": {
                   "warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": MAX_STEPS,
                   "warmup_type": "linear"}},
-              "zero_optimization": {"stage": ZERO_STAGE},
+              # ZeRO 3 keeps weights under 100 elements whole on every rank (the biases), and
+              # gathers the others in the forward.
+              "zero_optimization": {"stage": ZERO_STAGE,
+                                    **({"stage3_param_persistence_threshold": 100}
+                                       if ZERO_STAGE == 3 else {})},
               **json.loads(os.environ.get("DS_CONFIG", "{}"))}  # by hand: bf16, overlap_comm...
     engine, _, _, _ = deepspeed.initialize(model=layers, model_parameters=layers.parameters(),
                                            config=config)

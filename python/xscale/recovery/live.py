@@ -4,7 +4,7 @@ does the kind's work before a batch, and recovers (docs/FAILURES.md, "Live recov
 Only under the supervisor with spares (it exports XSCALE_RECOVERY, and the rank's link reached
 the coordinator). `for_loop` picks the kind of training that serves the loop's model
 (xscale.recovery.protocol.Recoverable: DDP's, replicated; FSDP2's and a DeepSpeed engine's with
-ZeRO stage 1 or 2, sharded, from peer snapshots) or says why none does; the recovery's steps
+ZeRO stage 1, 2 or 3, sharded, from peer snapshots) or says why none does; the recovery's steps
 are the same for every kind: leave the broken group, tell the coordinator, form the next, hand
 the state over, go on from the source's position. A sharded kind's snapshots that cannot serve
 end live recovery with one line.
@@ -106,6 +106,7 @@ def for_loop(ctx: DistContext, model: nn.Module, optimizer: Any,
     link = links.link()
     if link is None:
         return None, None
+    zero.end_quiet_start()  # the script built its model: a replacement's engine is made
     if zero.is_engine(model):  # the script imported DeepSpeed; the loop is spared the import
         every = settings.value("XSCALE_SNAPSHOT_EVERY")
         why = zero.why_not(model, ctx.nnodes, every)
