@@ -304,7 +304,7 @@ def test_a_plain_ddp_script_with_xscales_lines_outlives_a_frozen_node(cluster, t
 
 
 def test_a_trainer_script_with_xscales_lines_outlives_five_faults_shrinks_and_grows_back(
-        cluster, tiny, tmp_path: Path):  # noqa: F811
+        cluster, tmp_path: Path):
     """The workshop's Trainer script with docs/YOUR-SCRIPT.md's one line more, 2 x 2 ranks and
     two spares: a node crashed mid-run is replaced live, then the replacement's node freezes
     (noticed by its silence, XSCALE_HEARTBEAT_S) and the other spare replaces it; then that
@@ -319,10 +319,15 @@ def test_a_trainer_script_with_xscales_lines_outlives_five_faults_shrinks_and_gr
     step redone or skipped, each step's samples and their mean the same, the learning-rate
     schedule where it was. (One job for the five faults: each Trainer rank's start is seconds
     of CPU, and the bed's four nodes share two cores.)"""
-    model, data = tiny
-    # The grow comes 25-35 s after the heal, at 10-15 steps a second; the smaller world crosses
-    # epochs' ends (125 steps each), where its batches must go on as the launch's.
-    steps = 480
+    from tests.fixtures.tiny_gpt_neo import build
+
+    # The workshop script evaluates every 10 steps: on the other tests' 200 test reviews that
+    # was a third of both runs' CPU; 40 leave it a tenth.
+    model, data = build(tmp_path / "tiny", test_size=40)
+    # The grow comes 25-35 s after the heal, at 10-15 steps a second (it came at step 375 on an
+    # idle bed): the run ends 15 s after that. The smaller world crosses epochs' ends (125 steps
+    # each), where its batches must go on as the launch's.
+    steps = 560
 
     def submit(name: str) -> tuple[str, Path, Path]:
         out, output = tmp_path / name, tmp_path / f"{name}.out"
