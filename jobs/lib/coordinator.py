@@ -132,6 +132,7 @@ class Coordinator:
         self.hung = []  # ranks found silent while their node's other ranks answered
         self.peers = {}  # rank -> Peer: the current process of each rank
         self.generation = 0
+        self.formed = 0  # the newest generation every rank joined
         self.join = None  # the Join of the generation being formed
         self.recovering = self.fallen_back = False
         self.recoveries = []  # what each recovery took, for the records
@@ -504,6 +505,8 @@ class Coordinator:
                     peer.joined == generation for peer in self.peers.values()),
                 timeout=JOIN_TIMEOUT_S)
             self.join = None
+            if done:
+                self.formed = generation
             # The group is whole: a failure from here on is a new one, recovered in its turn
             # (a rank started again that fails at once, as a bug would have it).
             self.recovering = not done
@@ -736,6 +739,8 @@ class LiveLaunch:
         self.allocation, self.line, self.log = allocation, line, log
         self.patterns = patterns
         self.node_jobs = grow_back.NodeJobs(grow_job) if grow_job else None
+        self.held_lost = {}  # a lost node's index -> the node, while the job may hold it
+        self.watching = False  # for nodes to grow back with
         self.in_job = {}  # a node's index -> the node job whose node took its place
         self.growing = None  # the index of the node whose ranks a grow under way starts
         self.ended = threading.Event()
@@ -789,25 +794,35 @@ class LiveLaunch:
         env = dict(self.launch_env, **{
             contract.REPLACEMENT_VAR: "%d/%d" % (index, len(self.allocation.launch_nodes)),
             contract.JOIN_VAR: str(generation)})
-        self._start(index, what, line.argv(), env, index * self.allocation.per_node)
+        per_node = self.allocation.per_node
+        for rank in range(index * per_node, (index + 1) * per_node):
+            self.replacements.pop(("rank", rank), None)  # a rank started again there, lost too
+        self._start(index, what, line.argv(), env, index * per_node, generation)
 
     # ---- a smaller world grows back (jobs/lib/grow_back.py) ---------------------------------
 
     def _ask_for_nodes(self, lost_nodes):
-        """A node job for each of LOST_NODES, which the world goes on without; the first
-        starts the watch that takes their nodes back."""
+        """A node job for each of LOST_NODES, which the world goes on without, and a probe of
+        each while the job holds it, but of one a line blames (its fault would outlive the
+        probe); the first starts the watch that takes nodes back."""
         if self.node_jobs is None:
             return
-        first = not self.node_jobs.held
+        blamed = self._blamed(lost_nodes)
         for node in lost_nodes:
-            self.node_jobs.ask(self.allocation.launch_nodes.index(node), node)
-        if first and self.node_jobs.held:
-            threading.Thread(target=self._watch_node_jobs, daemon=True).start()
+            index = self.allocation.launch_nodes.index(node)
+            if node not in blamed:
+                self.held_lost[index] = node
+            self.node_jobs.ask(index, node)
+        if not self.watching:
+            self.watching = True
+            threading.Thread(target=self._watch_for_nodes, daemon=True).start()
 
-    def _watch_node_jobs(self):
-        """Each node job that runs: its node takes a lost one's place and ranks (BUSY: once
-        the recovery under way is over; FAILED: its job is cancelled)."""
+    def _watch_for_nodes(self):
+        """Each lost node that runs again in the job, and each node job that runs: its node
+        takes a lost one's place and ranks (BUSY: once the recovery under way is over; FAILED:
+        a node job is cancelled, a lost node no longer probed)."""
         while not (self.ended.wait(grow_back.POLL_S) or self.coordinator.fallen_back):
+            self._take_back_held_nodes()
             for job, index, node in self.node_jobs.running():
                 outcome = self._grow(job, index, node)
                 if outcome == GROWN:
@@ -815,24 +830,50 @@ class LiveLaunch:
                 elif outcome == FAILED:
                     self.node_jobs.cancel([job])
 
+    def _take_back_held_nodes(self):
+        """A lost node the job still holds, where the launch's image starts again (its ranks
+        died but it runs, or it answered again before Slurm declared it down), is the
+        training's again: its ranks start there as a step of the job, and the node job asked
+        in its place is cancelled. One that Slurm took out of the job is no longer probed."""
+        for index, node in sorted(self.held_lost.items()):
+            held = grow_back.holds(self.node_jobs.job_id, node)
+            probe = self.line.probe(node, ["true"])
+            if held is False or probe is None:
+                self.held_lost.pop(index, None)
+            elif held and grow_back.runs(probe):
+                outcome = self._grow(None, index, node)
+                if outcome != BUSY:
+                    self.held_lost.pop(index, None)
+                if outcome == GROWN:
+                    self.node_jobs.cancel(self.node_jobs.asked_for(index))
+                    self.allocation.excluded.discard(node)
+
     def _grow(self, job, index, node):
-        """The ranks of the launch's node INDEX, lost, start on NODE in node job JOB and join;
-        how it ended (Coordinator.grow). Not grown, a step they started is ended."""
+        """The ranks of the launch's node INDEX, lost, start on NODE (in node job JOB; None:
+        a node the job holds) and join; how it ended (Coordinator.grow). Not grown, a step
+        they started is ended."""
         per_node = self.allocation.per_node
         lost = self.allocation.launch_nodes[index]
 
         def start(generation):
             self.growing = index
-            say("live recovery: the ranks of %s start again on %s (job %s)" % (lost, node, job))
-            self._start_node(index, "the ranks of %s" % lost,
-                             self.line.on(1, per_node, node, overlap=False).in_job(job),
-                             generation)
+            line = self.line.on(1, per_node, node, overlap=job is None)
+            if job is None:  # beside the lost ranks' step, which Slurm may not have ended
+                say("live recovery: the ranks of %s start again there" % lost)
+            else:
+                say("live recovery: the ranks of %s start again on %s (job %s)"
+                    % (lost, node, job))
+                line = line.in_job(job)
+            self._start_node(index, "the ranks of %s" % lost, line, generation)
 
         outcome = self.coordinator.grow(list(range(index * per_node, (index + 1) * per_node)),
                                         start, node)
         if outcome == GROWN:
             self.allocation.launch_nodes[index] = node
-            self.in_job[index] = job
+            if job is None:
+                self.in_job.pop(index, None)
+            else:
+                self.in_job[index] = job
         elif self.growing is not None:
             end_step(self.replacements.pop(index))  # its ranks are not the training's
         self.growing = None
@@ -854,7 +895,7 @@ class LiveLaunch:
                                                            per_node),
                 contract.JOIN_VAR: str(generation)})
             say("live recovery: rank %d starts again on %s, its node" % (rank, nodes[index]))
-            self._start(("rank", rank), "rank %d" % rank, line.argv(), env, rank)
+            self._start(("rank", rank), "rank %d" % rank, line.argv(), env, rank, generation)
         return None
 
     def _clear_flight_records(self):
@@ -885,23 +926,26 @@ class LiveLaunch:
                 blame.node, blame.reason.partition(": ")[0]))
         return blamed
 
-    def _start(self, place, what, argv, env, first_rank):
-        """A replacement's srun (ARGV), its task 0 the launch's FIRST_RANK: its output to the
-        job's and to the launch's log, in the launch's rank numbers."""
+    def _start(self, place, what, argv, env, first_rank, generation):
+        """A replacement's srun (ARGV), its task 0 the launch's FIRST_RANK, its ranks joining
+        GENERATION: its output to the job's and to the launch's log, in the launch's rank
+        numbers."""
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         log = open(self.log, "ab")
         threading.Thread(target=launches.copy_output, args=(proc.stdout, log),
                          kwargs={"first_rank": first_rank}, daemon=True).start()
         self.replacements[place] = proc
         self.every_replacement.append(proc)
-        threading.Thread(target=self._watch_replacement, args=(proc, place, what),
+        threading.Thread(target=self._watch_replacement, args=(proc, place, what, generation),
                          daemon=True).start()
 
-    def _watch_replacement(self, proc, place, what):
-        """A replacement that ends before its ranks joined (no image there, no space, a bad
-        node) is a fallback at once, not after JOIN_TIMEOUT_S."""
+    def _watch_replacement(self, proc, place, what, generation):
+        """A replacement that ends before its ranks joined GENERATION (no image there, no
+        space, a bad node) is a fallback at once, not after JOIN_TIMEOUT_S. One that joined
+        and failed later is a failure like any rank's, which its link's end told."""
         status = proc.wait()
-        if status == 0 or self.replacements[place] is not proc:
+        if status == 0 or self.replacements.get(place) is not proc \
+                or self.coordinator.formed >= generation:
             return
         why = "%s, started again, ended with status %d before it joined" % (what, status)
         if self.coordinator.recovering:
