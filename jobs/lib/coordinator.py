@@ -739,8 +739,6 @@ class LiveLaunch:
         self.allocation, self.line, self.log = allocation, line, log
         self.patterns = patterns
         self.node_jobs = grow_back.NodeJobs(grow_job) if grow_job else None
-        self.held_lost = {}  # a lost node's index -> the node, while the job may hold it
-        self.watching = False  # for nodes to grow back with
         self.in_job = {}  # a node's index -> the node job whose node took its place
         self.growing = None  # the index of the node whose ranks a grow under way starts
         self.ended = threading.Event()
@@ -802,27 +800,20 @@ class LiveLaunch:
     # ---- a smaller world grows back (jobs/lib/grow_back.py) ---------------------------------
 
     def _ask_for_nodes(self, lost_nodes):
-        """A node job for each of LOST_NODES, which the world goes on without, and a probe of
-        each while the job holds it, but of one a line blames (its fault would outlive the
-        probe); the first starts the watch that takes nodes back."""
+        """A node job for each of LOST_NODES, which the world goes on without; the first
+        starts the watch that takes their nodes back."""
         if self.node_jobs is None:
             return
-        blamed = self._blamed(lost_nodes)
+        first = not self.node_jobs.held
         for node in lost_nodes:
-            index = self.allocation.launch_nodes.index(node)
-            if node not in blamed:
-                self.held_lost[index] = node
-            self.node_jobs.ask(index, node)
-        if not self.watching:
-            self.watching = True
-            threading.Thread(target=self._watch_for_nodes, daemon=True).start()
+            self.node_jobs.ask(self.allocation.launch_nodes.index(node), node)
+        if first and self.node_jobs.held:
+            threading.Thread(target=self._watch_node_jobs, daemon=True).start()
 
-    def _watch_for_nodes(self):
-        """Each lost node that runs again in the job, and each node job that runs: its node
-        takes a lost one's place and ranks (BUSY: once the recovery under way is over; FAILED:
-        a node job is cancelled, a lost node no longer probed)."""
+    def _watch_node_jobs(self):
+        """Each node job that runs: its node takes a lost one's place and ranks (BUSY: once
+        the recovery under way is over; FAILED: its job is cancelled)."""
         while not (self.ended.wait(grow_back.POLL_S) or self.coordinator.fallen_back):
-            self._take_back_held_nodes()
             for job, index, node in self.node_jobs.running():
                 outcome = self._grow(job, index, node)
                 if outcome == GROWN:
@@ -830,50 +821,24 @@ class LiveLaunch:
                 elif outcome == FAILED:
                     self.node_jobs.cancel([job])
 
-    def _take_back_held_nodes(self):
-        """A lost node the job still holds, where the launch's image starts again (its ranks
-        died but it runs, or it answered again before Slurm declared it down), is the
-        training's again: its ranks start there as a step of the job, and the node job asked
-        in its place is cancelled. One that Slurm took out of the job is no longer probed."""
-        for index, node in sorted(self.held_lost.items()):
-            held = grow_back.holds(self.node_jobs.job_id, node)
-            probe = self.line.probe(node, ["true"])
-            if held is False or probe is None:
-                self.held_lost.pop(index, None)
-            elif held and grow_back.runs(probe):
-                outcome = self._grow(None, index, node)
-                if outcome != BUSY:
-                    self.held_lost.pop(index, None)
-                if outcome == GROWN:
-                    self.node_jobs.cancel(self.node_jobs.asked_for(index))
-                    self.allocation.excluded.discard(node)
-
     def _grow(self, job, index, node):
-        """The ranks of the launch's node INDEX, lost, start on NODE (in node job JOB; None:
-        a node the job holds) and join; how it ended (Coordinator.grow). Not grown, a step
-        they started is ended."""
+        """The ranks of the launch's node INDEX, lost, start on NODE in node job JOB and join;
+        how it ended (Coordinator.grow). Not grown, a step they started is ended."""
         per_node = self.allocation.per_node
         lost = self.allocation.launch_nodes[index]
 
         def start(generation):
             self.growing = index
-            line = self.line.on(1, per_node, node, overlap=job is None)
-            if job is None:  # beside the lost ranks' step, which Slurm may not have ended
-                say("live recovery: the ranks of %s start again there" % lost)
-            else:
-                say("live recovery: the ranks of %s start again on %s (job %s)"
-                    % (lost, node, job))
-                line = line.in_job(job)
-            self._start_node(index, "the ranks of %s" % lost, line, generation)
+            say("live recovery: the ranks of %s start again on %s (job %s)" % (lost, node, job))
+            self._start_node(index, "the ranks of %s" % lost,
+                             self.line.on(1, per_node, node, overlap=False).in_job(job),
+                             generation)
 
         outcome = self.coordinator.grow(list(range(index * per_node, (index + 1) * per_node)),
                                         start, node)
         if outcome == GROWN:
             self.allocation.launch_nodes[index] = node
-            if job is None:
-                self.in_job.pop(index, None)
-            else:
-                self.in_job[index] = job
+            self.in_job[index] = job
         elif self.growing is not None:
             end_step(self.replacements.pop(index))  # its ranks are not the training's
         self.growing = None

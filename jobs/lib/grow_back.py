@@ -1,5 +1,4 @@
-"""Growing a smaller world back (docs/FAILURES.md, "Growing back"): nodes asked of the queue,
-and lost nodes the job still holds.
+"""Growing a smaller world back (docs/FAILURES.md, "Growing back"): nodes asked of the queue.
 
 Slurm takes a node that went down out of a running job, and adds none to a job with GPUs (its
 job expansion refuses allocated GRES). So when live recovery goes on without a node and no spare
@@ -10,24 +9,17 @@ its node. Once it runs, the lost node's ranks start in it as a step of that job
 (`srun --jobid`), and the coordinator takes them back into the training. The node jobs end with
 the launch.
 
-A lost node may also stay in the job: Slurm takes it out only once it declares it down
-(SlurmdTimeout after it stopped answering), and never when only its ranks died. While the job
-holds it, it is probed (the launch's image started there, beside nothing, within PROBE_S); once
-a probe runs, its ranks start there again, as a step of the job itself.
-
 Standard library only, Python 3.6: the batch host's system Python.
 """
 
 import re
-import subprocess
 import threading
 import time
 
-from shared import hostlist, output_of, say
+from shared import output_of, say
 
 NAME_PREFIX = "xscale-grow-"
 POLL_S = 3.0  # how often the queue is asked whether a node job runs
-PROBE_S = 10  # how long a probe of a lost node the job holds may take (a frozen one never ends)
 HOLD = "exec sleep 2147483647"  # what a node job runs: its ranks come as steps
 COPIED = (("Partition", "--partition"), ("Account", "--account"), ("QOS", "--qos"),
           ("Reservation", "--reservation"), ("Features", "--constraint"))
@@ -112,11 +104,6 @@ class NodeJobs:
         with self.lock:
             self.asked.pop(job, None)
 
-    def asked_for(self, index):
-        """The node jobs not yet taken that were asked for the launch's node INDEX."""
-        with self.lock:
-            return [job for job, asked in self.asked.items() if asked == index]
-
     def cancel(self, jobs=None):
         """Cancel JOBS (default: every node job of the launch)."""
         with self.lock:
@@ -125,22 +112,3 @@ class NodeJobs:
                 self.asked.pop(job, None)
         if jobs:
             output_of(["scancel"] + jobs)
-
-
-def holds(job_id, node):
-    """Whether job JOB_ID still holds NODE (None: Slurm did not say)."""
-    record = output_of(["scontrol", "show", "job", "-o", job_id])
-    if record is None:
-        return None
-    return node in hostlist.expand(job_fields(record).get("NodeList", ""))
-
-
-def runs(probe):
-    """Whether PROBE (argv: the launch's image started on a node, jobs/lib/launch_line.py)
-    ended well within PROBE_S. What srun says of a node that does not answer is not the job's
-    output: it is asked again every POLL_S."""
-    try:
-        return subprocess.run(["timeout", str(PROBE_S)] + probe, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL).returncode == 0
-    except OSError:
-        return False
