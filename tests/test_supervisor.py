@@ -285,6 +285,41 @@ def test_a_node_job_asks_for_a_node_like_the_jobs_for_its_time_left():
         "/runscripts/run.sh", "python", "train.py"]
 
 
+def test_a_replacement_that_dies_after_its_group_formed_is_no_start_that_failed(tmp_path):
+    """LiveLaunch watches each replacement's srun. One that ends before its ranks joined the
+    generation they were started into ends the recovery under way at once, with that reason.
+    One whose generation formed and that dies later (a rank started again, then killed in its
+    turn: its death is what began the recovery) is a failure its link told, recovered like any
+    rank's: its srun's end changes nothing. Both ends come while a recovery is under way. Its
+    node's ranks, started again later, take its place among the replacements."""
+    host_side = host_module("coordinator")
+    allocation = host_module("allocation").Allocation(["n1", "n2", "n3", "n4"], 2, spares=1)
+    line = host_module("launch_line").LaunchLine(["python", "train.py"], [], None, None,
+                                                 "/runscripts/run.sh")
+    live = host_side.LiveLaunch(allocation, line, str(tmp_path / "launch.log"), 5.0, 3, [])
+    fallen_back = []
+    live.coordinator.fall_back = fallen_back.append
+    live.coordinator.recovering, live.coordinator.formed = True, 3
+
+    def killed_replacement(generation: int) -> None:
+        proc = subprocess.Popen(["sh", "-c", "kill -9 $$"])
+        live.replacements[("rank", 5)] = proc
+        live._watch_replacement(proc, ("rank", 5), "rank 5", generation)
+
+    try:
+        killed_replacement(3)  # it joined generation 3, which formed
+        assert fallen_back == []
+        killed_replacement(4)  # started into generation 4, not formed yet
+        assert fallen_back == ["rank 5, started again, ended with status -9 before it joined"]
+        # Its node's ranks started again (no srun here) take the killed rank 5's place: the
+        # launch's status is then its newest replacements' (LiveLaunch.end).
+        live._start = lambda place, *rest: live.replacements.update({place: None})
+        live._start_node(2, "the ranks of n3", line.on(1, 2, "n3", overlap=True), 5)
+        assert list(live.replacements) == [2]
+    finally:
+        live.coordinator.server.server_close()
+
+
 def test_a_replacements_output_goes_on_in_the_launchs_rank_numbers(tmp_path, capsysbinary):
     """A spare's step numbers its tasks from 0, its labels and srun's line of their end alike:
     the copy into the job's output and the launch's log shifts them to the launch's ranks
