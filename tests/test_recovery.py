@@ -175,8 +175,9 @@ def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_and_grow_back
     is killed on its own (its node-mate lives): the coordinator starts it again on n0 by its
     launch number, it joins as rank 1 of the two, takes its share and the record of the shrink.
     Then a node, n5, is the training's again (a node job ran, jobs/lib/grow_back.py): rank 1
-    starts there and the coordinator takes it back in (grow) at step G, by step WAIT_AT (rank
-    0 waits there for it); from there each rank trains its own batch of the launch's again.
+    starts there and the coordinator takes it back in (grow) at step G, from the restart's
+    step to step WAIT_AT (rank 0 waits there for it); from there each rank trains its own batch
+    of the launch's again.
     The three replicas end equal, every step with the uninterrupted run's gradients."""
     host_side = host_module("coordinator")
     store, again_at, wait_at, nodes = hosted_store(3), 50, 65, ["n0", "n1", "n0"]
@@ -221,7 +222,9 @@ def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_and_grow_back
     (summary,) = tagged_records(runs[0][1], "XSCALE_SUMMARY")
     (shrink,) = summary["shrinks"]
     grow_at = shrink["until"]
-    assert again_at < grow_at <= wait_at, summary
+    # The grow may come before the restarted world's first step ends (its abort drops that
+    # step): on a loaded machine it did, at again_at itself.
+    assert again_at <= grow_at <= wait_at, summary
     assert [(r["rank"], r["started_at"], r["steps"]) for r in records] == [
         (0, 0, MICRO_BATCHES), (2, again_at, MICRO_BATCHES), (1, grow_at, MICRO_BATCHES)], \
         records
