@@ -354,18 +354,32 @@ def abortable_collectives() -> Iterator[None]:
 @contextmanager
 def swapped_collectives(names: Iterable[str],
                         wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
-    """Within it, each torch.distributed collective in NAMES is WRAP(the collective), as
-    torch.distributed and its c10d module name it (callers reach it through either)."""
+    """Within it, each torch.distributed collective in NAMES is WRAP(the collective)
+    (swap_collectives)."""
+    originals = swap_collectives(names, wrap)
+    try:
+        yield
+    finally:
+        restore_collectives(originals)
+
+
+def swap_collectives(names: Iterable[str],
+                     wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+                     ) -> dict[str, Callable[..., Any]]:
+    """Each torch.distributed collective in NAMES made WRAP(the collective), as
+    torch.distributed and its c10d module name it (callers reach it through either); the
+    originals, for restore_collectives."""
     originals = {name: getattr(c10d, name) for name in names}
     for name, original in originals.items():
         setattr(c10d, name, wrap(original))
         setattr(dist, name, getattr(c10d, name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(c10d, name, original)
-            setattr(dist, name, original)
+    return originals
+
+
+def restore_collectives(originals: dict[str, Callable[..., Any]]) -> None:
+    for name, original in originals.items():
+        setattr(c10d, name, original)
+        setattr(dist, name, original)
 
 
 def _abortable(collective: Callable[..., Any]) -> Callable[..., Any]:

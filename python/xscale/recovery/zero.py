@@ -101,11 +101,7 @@ def prepare_replacement() -> None:
     own or torch's."""
     if not links.joining() or _quiet_start:
         return
-    for name in START_COLLECTIVES:
-        _quiet_start[name] = original = getattr(dist.distributed_c10d, name)
-        served = _served_alone_for_deepspeed(original)
-        setattr(dist.distributed_c10d, name, served)
-        setattr(dist, name, served)
+    _quiet_start.update(links.swap_collectives(START_COLLECTIVES, _served_alone_for_deepspeed))
 
 
 def end_quiet_start() -> None:
@@ -114,11 +110,10 @@ def end_quiet_start() -> None:
     backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
     for name, original in _quiet_start.items():
         served = getattr(dist.distributed_c10d, name)
-        setattr(dist.distributed_c10d, name, original)
-        setattr(dist, name, original)
         for cached in CACHED_COLLECTIVES:
             if getattr(backend, cached, None) is served:
                 setattr(backend, cached, original)
+    links.restore_collectives(_quiet_start)
     _quiet_start.clear()
 
 
