@@ -272,9 +272,16 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     return env
 
 
+def store_client(store) -> dict[str, str]:
+    """The variables that make a rank a client of STORE (hosted_store), as torchrun's agents
+    make their workers."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
 def client_env(rank: int, world: int, store, **extra: str) -> dict[str, str]:
-    """rank_env for a client of STORE (hosted_store), as torchrun's agents make theirs."""
-    return rank_env(rank, world, store.port, TORCHELASTIC_USE_AGENT_STORE="True", **extra)
+    """rank_env for a client of STORE (hosted_store)."""
+    return rank_env(rank, world, store.port, **{**store_client(store), **extra})
 
 
 def run_two_ranks(tmp_path: Path, program: str, *args: str,
@@ -358,11 +365,14 @@ class ForkedRanks:
     HELD: (ARGV, ENV) of processes forked now that run only when `release` adds variables to
     their environment, in turn: the replacements a test's coordinator starts for lost ranks.
     Their results follow the ranks'; one never released ends with -9 once the ranks have ended.
+
+    STORE: the rendezvous store the test hosts for them (hosted_store), held as long as they are.
     """
 
     def __init__(self, commands: list[tuple[list[str], dict[str, str]]], cwd: Path,
                  preload: tuple[str, ...], env: dict[str, str],
-                 held: list[tuple[list[str], dict[str, str]]] = ()):
+                 held: list[tuple[list[str], dict[str, str]]] = (), store=None):
+        self.store = store
         self.commands = [*commands, *held]
         self.launched = len(commands)  # the ranks; the held processes follow them
         self._folder = Path(tempfile.mkdtemp(prefix="xscale-held-"))

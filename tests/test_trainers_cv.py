@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,8 +25,10 @@ from tests.helpers import (
     TRAINING_IMPORTS,
     ForkedRanks,
     block_placed,
+    hosted_store,
     rank_records,
     run_forked,
+    store_client,
     summary,
     tagged_records,
     wait_for,
@@ -84,12 +85,6 @@ def run_one(*args: str, env: dict[str, str] | None = None,
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # What a rank of these trainers imports before its first step, once for all of a test's ranks.
 TRAINER_IMPORTS = (*TRAINING_IMPORTS, "torchvision")
 
@@ -98,13 +93,13 @@ def start_ranks(world: int, *args: str, extra: dict[str, str] | None = None) -> 
     """`world` ranks on this machine with torchrun's variables set by hand, as forks of one
     interpreter that imported TRAINER_IMPORTS (tests/helpers.ForkedRanks): the trainer's work
     is seconds, its imports as many. The ranks through srun, run.sh and a fresh interpreter each
-    are the cluster tests below."""
-    port = str(free_port())
+    are the cluster tests below. The test hosts their store (helpers.hosted_store)."""
+    store = hosted_store(world)
     commands = [([*args], clean_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                                     LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", NNODES="1",
-                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(extra or {})))
+                                    **store_client(store), **(extra or {})))
                 for rank in range(world)]
-    return ForkedRanks(commands, REPO, TRAINER_IMPORTS, env=clean_env())
+    return ForkedRanks(commands, REPO, TRAINER_IMPORTS, env=clean_env(), store=store)
 
 
 def finish(ranks: ForkedRanks, timeout: float = 300) -> tuple[list[int], str, str]:
@@ -254,12 +249,12 @@ def test_nodes_with_different_numbers_of_ranks_stop_every_rank_with_one_line(ima
     their collectives stop matching (gloo's size mismatch, seen on the bed with srun -N2 -n3).
     Every rank stops before training, with one line and status 2."""
     folder, _ = images
-    port = str(free_port())
+    store = hosted_store(3)
     layout = [(0, 0, 2, 0), (1, 1, 2, 0), (2, 0, 1, 1)]  # rank, local rank, its node's ranks, node
     commands = [([IMAGENET, *VISION_TINY, "--max-steps", "2", str(folder)],
                  clean_env(RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(local),
                            LOCAL_WORLD_SIZE=str(on_node), NODE_RANK=str(node), NNODES="2",
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                           **store_client(store)))
                 for rank, local, on_node, node in layout]
     codes, _, stderr = finish(ForkedRanks(commands, REPO, TRAINER_IMPORTS, env=clean_env()),
                               timeout=120)
