@@ -263,11 +263,12 @@ def test_with_no_spare_left_the_survivors_go_on_as_a_smaller_world_and_grow_back
     assert (summary["world_size"], summary["global_batch_size"]) == (3, 48), summary
     assert (shrink["step"], shrink["world_size"], shrink["nodes"]) == (DIE_AT, 2, 1), summary
     # The processes started later know of the shrink from the source's position (a rank 0
-    # started again so writes it in its summary), and how long the world was smaller.
+    # started again so writes it in its summary), and how long the world was smaller: the one
+    # that joined as the world grew back too, though the source handed the world before.
     for record in records[1:]:
         (known,) = record["shrinks"]
-        assert {key: known[key] for key in ("step", "world_size", "nodes")} == \
-            {key: shrink[key] for key in ("step", "world_size", "nodes")}, record
+        assert {key: known[key] for key in ("step", "until", "world_size", "nodes")} == \
+            {key: shrink[key] for key in ("step", "until", "world_size", "nodes")}, record
         assert known["seconds"] == pytest.approx(shrink["seconds"], abs=2.0), (known, shrink)
     assert coordinator.finished(wait_s=5.0)
 

@@ -813,6 +813,8 @@ class _LiveSteps(TrainerCallback):
         if self.live is not None and self.live.link.joining:
             self._place = self.live.receive()
             trainer.shrinks.take(self._place.shrinks)
+            if dist.get_world_size() == self.live.link.launch_world:  # none smaller goes on
+                trainer.shrinks.whole_again(self._place.step)
             raise _Rejoin()
 
     def before_micro_batch(self) -> None:

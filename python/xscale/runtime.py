@@ -235,8 +235,10 @@ class Shrinks:
         self._worlds.append((step, world_size, nodes, time.perf_counter()))
 
     def whole_again(self, step: int) -> None:
-        """The lost nodes' ranks came back (docs/FAILURES.md, "Growing back") at STEP."""
-        self._worlds.append((step, None, None, time.perf_counter()))
+        """The lost nodes' ranks came back (docs/FAILURES.md, "Growing back") at STEP; nothing
+        where the world is not smaller."""
+        if self._worlds and self._worlds[-1][1] is not None:
+            self._worlds.append((step, None, None, time.perf_counter()))
 
     def handed(self) -> tuple[WorldChange, ...]:
         """Each smaller world so far, as a position hands it to another process: its step,
@@ -247,7 +249,9 @@ class Shrinks:
 
     def take(self, handed: tuple[WorldChange, ...]) -> None:
         """Go on with the source rank's worlds (handed): a rank started again after a shrink
-        has none of its own, and its summary (rank 0's) must say when the run shrank."""
+        has none of its own, and its summary (rank 0's) must say when the run shrank. The
+        source hands its worlds as they were before the recovery: a rank that joins the
+        launch's world as it grows back ends the smaller one itself (whole_again)."""
         now = time.perf_counter()
         self._worlds = [(step, world_size, nodes, now - ago)
                         for step, world_size, nodes, ago in handed]
@@ -513,6 +517,8 @@ class Loop:
         self.shrinks = Shrinks()
         if received is not None:
             self._take_position(received)
+            if self.sampler.share is None:  # joined the launch's world: none smaller goes on
+                self.shrinks.whole_again(self.step)
         self.window = profile_window.window_from_env(ctx.rank, ctx.device)
         self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
                                            say=self.log.message)
