@@ -659,10 +659,11 @@ def test_a_frameworks_blocking_collective_ends_as_soon_as_the_group_is_broken(mo
 
 
 # The sharded kinds, as live_ranks.py builds them (the preload: what their forks import once).
+# ZeRO stage 2 has stage 1's optimizer (DeepSpeedZeroOptimizer), whose partitions the snapshot
+# and the hand-over take alike (xscale.recovery.zero.PARTITIONS): stage 1 stands for both.
 SHARDED = {
     "fsdp": ({"MODEL": "fsdp"}, ()),
     "zero-1": ({"MODEL": "deepspeed", "ZERO_STAGE": "1"}, ("deepspeed",)),
-    "zero-2": ({"MODEL": "deepspeed", "ZERO_STAGE": "2"}, ("deepspeed",)),
     "zero-3": ({"MODEL": "deepspeed", "ZERO_STAGE": "3"}, ("deepspeed",)),
 }
 
@@ -683,11 +684,10 @@ HEARTBEAT_S = {"killed": 30.0, "frozen-in-an-exchange": 6.0}
 
 
 @pytest.mark.parametrize("kind, fault", [("fsdp", "frozen-in-an-exchange"),
-                                         ("zero-1", "killed"), ("zero-2", "killed"),
-                                         ("zero-3", "killed")])
+                                         ("zero-1", "killed"), ("zero-3", "killed")])
 def test_a_sharded_models_lost_rank_comes_back_from_its_buddys_snapshot(tmp_path: Path,
                                                                         kind: str, fault: str):
-    """FSDP2, or a DeepSpeed engine with ZeRO stage 1, 2 or 3, as the loop's model
+    """FSDP2, or a DeepSpeed engine with ZeRO stage 1 or 3, as the loop's model
     (live_ranks.py), three ranks on three nodes, a peer snapshot every 10 steps: rank 2 is lost
     (FAULTS). Its shard (FSDP2's of the weights and the optimizer's state, ZeRO's fp32 partition
     and its optimizer state) is held by no other rank but in its buddy's snapshot (rank 0's, the
