@@ -812,9 +812,7 @@ class _LiveSteps(TrainerCallback):
                       f"{cannot}", flush=True)
         if self.live is not None and self.live.link.joining:
             self._place = self.live.receive()
-            trainer.shrinks.take(self._place.shrinks)
-            if dist.get_world_size() == self.live.link.launch_world:  # none smaller goes on
-                trainer.shrinks.whole_again(self._place.step)
+            self._take_shrinks()
             raise _Rejoin()
 
     def before_micro_batch(self) -> None:
@@ -865,7 +863,7 @@ class _LiveSteps(TrainerCallback):
         if self._place is None:  # a survivor
             recovered = self.live.recover(self._here())
             self._place = recovered.position
-            trainer.shrinks.take(self._place.shrinks)
+            self._take_shrinks()
             if dist.get_world_size() != trainer.ctx.world_size:
                 self._go_on_in_new_world(self._place.step, launch_world)
             if trainer.ctx.is_main:
@@ -888,6 +886,11 @@ class _LiveSteps(TrainerCallback):
         trainer.rejoined(place.save_every)
         return self._folder
 
+    def _take_shrinks(self) -> None:
+        """The source's smaller worlds (runtime.Shrinks.take), at the place received."""
+        self.trainer.shrinks.take(self._place.shrinks, self._place.step,
+                                  whole=dist.get_world_size() == self.live.link.launch_world)
+
     def _go_on_in_new_world(self, step: int, launch_world: int) -> None:
         """No spare was left: this rank's number in the smaller world (the coordinator's) and
         its share of each step from here (XscaleTrainer.take_world); or the lost ranks came
@@ -896,8 +899,7 @@ class _LiveSteps(TrainerCallback):
         nodes = self.live.link.nnodes
         trainer.take_world(dist.get_rank(), world, nodes, launch_world)
         share = trainer.share
-        if share is None:
-            trainer.shrinks.whole_again(step)
+        if share is None:  # the shrink's end is in _take_shrinks
             line = runtime.grew_back(runtime.script_name(), world, nodes, step)
         else:
             trainer.shrinks.went_on(step, world, nodes)

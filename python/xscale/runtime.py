@@ -234,12 +234,6 @@ class Shrinks:
     def went_on(self, step: int, world_size: int, nodes: int) -> None:
         self._worlds.append((step, world_size, nodes, time.perf_counter()))
 
-    def whole_again(self, step: int) -> None:
-        """The lost nodes' ranks came back (docs/FAILURES.md, "Growing back") at STEP; nothing
-        where the world is not smaller."""
-        if self._worlds and self._worlds[-1][1] is not None:
-            self._worlds.append((step, None, None, time.perf_counter()))
-
     def handed(self) -> tuple[WorldChange, ...]:
         """Each smaller world so far, as a position hands it to another process: its step,
         ranks, nodes, and how many seconds ago it began (clocks are not shared)."""
@@ -247,14 +241,18 @@ class Shrinks:
         return tuple((step, world_size, nodes, now - since)
                      for step, world_size, nodes, since in self._worlds)
 
-    def take(self, handed: tuple[WorldChange, ...]) -> None:
-        """Go on with the source rank's worlds (handed): a rank started again after a shrink
-        has none of its own, and its summary (rank 0's) must say when the run shrank. The
-        source hands its worlds as they were before the recovery: a rank that joins the
-        launch's world as it grows back ends the smaller one itself (whole_again)."""
+    def take(self, handed: tuple[WorldChange, ...], step: int, whole: bool) -> None:
+        """Go on, at STEP, with the source rank's worlds (handed): a rank started again after a
+        shrink has none of its own, and its summary (rank 0's) must say when the run shrank.
+        WHOLE: this rank's world is the launch's now. The source hands its worlds as they were
+        before the recovery, so a smaller one still going on there ends at STEP: the lost
+        nodes' ranks came back (docs/FAILURES.md, "Growing back"), the survivors and the ranks
+        that join alike."""
         now = time.perf_counter()
-        self._worlds = [(step, world_size, nodes, now - ago)
-                        for step, world_size, nodes, ago in handed]
+        self._worlds = [(at, world_size, nodes, now - ago)
+                        for at, world_size, nodes, ago in handed]
+        if whole and self._worlds and self._worlds[-1][1] is not None:
+            self._worlds.append((step, None, None, now))
 
     def done(self) -> list[dict[str, Any]] | None:
         """Each smaller world: from which step, until which (None: the end), its ranks and
@@ -517,8 +515,6 @@ class Loop:
         self.shrinks = Shrinks()
         if received is not None:
             self._take_position(received)
-            if self.sampler.share is None:  # joined the launch's world: none smaller goes on
-                self.shrinks.whole_again(self.step)
         self.window = profile_window.window_from_env(ctx.rank, ctx.device)
         self.stragglers = stragglers.watch(model, ctx.device, ctx.rank, ctx.world_size,
                                            say=self.log.message)
@@ -770,8 +766,7 @@ class Loop:
         nodes = gather_to_rank0(contract.node_name())
         self._take_world(rank, world, self.live.link.nnodes)
         self.stragglers.restart(nodes, rank, world, self.micro_batches)
-        if self.sampler.share is None:
-            self.shrinks.whole_again(self.step)
+        if self.sampler.share is None:  # the shrink's end is in Shrinks.take
             self.message(grew_back(self.prog, world, self.ctx.nnodes, self.step))
             return
         self.shrinks.went_on(self.step, world, self.ctx.nnodes)
@@ -815,7 +810,8 @@ class Loop:
         self.log.start_step = position.log_from
         self._micro = self._handed_out = 0
         self._voted_at = None  # a vote cut short counts as none, on every rank alike
-        self.shrinks.take(position.shrinks)
+        self.shrinks.take(position.shrinks, self.step,
+                          whole=dist.get_world_size() == self.sampler.num_replicas)
         self._moved = True
 
     def _keep_schedules(self) -> None:
