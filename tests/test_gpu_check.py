@@ -39,6 +39,7 @@ from tests.gpu.verdict import (
     SKIP,
     Check,
     Expected,
+    judge_snapshots,
     judge_training,
     mismatches,
     render_table,
@@ -377,3 +378,27 @@ def test_the_throughput_rows_say_what_ran_and_put_the_verdicts_mfu_beside_the_fo
     assert resnet.status == PASS and resnet.figures["ratio"] == pytest.approx(2_000 / 1_800)
     assert (resnet.figures["precision"], resnet.figures["verdict_mfu"]) == ("fp32", 0.3)
 
+
+
+def test_the_snapshot_row_judges_the_benchmarks_own_result_and_each_way_it_fails():
+    # The benchmark as gpu-check runs it, here with the host as the device: the same trainer,
+    # holder and comparison, the copy without a side stream (which only a GPU has).
+    bench = subprocess.run([sys.executable, str(REPO / "tests" / "bench" / "snapshots.py"),
+                            "--device", "cpu", "--rounds", "1", "--steps", "2",
+                            "--batch-size", "2", "--image-size", "32"],
+                           capture_output=True, text=True, timeout=300, check=True)
+    row = judge_snapshots("snapshots side stream", bench.stdout)
+    assert row.status == PASS, row.reason
+    assert row.figures["state_mib"] > 90 and row.figures["auto_every_1024"] >= 1
+    assert "the snapshot is the state of its step: True" in bench.stdout
+
+    def judged(**changes: object) -> Check:
+        line = next(line for line in bench.stdout.splitlines() if line.startswith("SNAPSHOT_"))
+        result = {**json.loads(line.split(" ", 1)[1]), **changes}
+        return judge_snapshots("snapshots side stream", f"SNAPSHOT_BENCH {json.dumps(result)}")
+
+    for failed, says in ((judged(whole=False), "overtook its copy"),
+                         (judged(changed=False), "proves nothing"),
+                         (judged(auto_share_1024=0.02), "2.00% of the step time (at most 1%)"),
+                         (judge_snapshots("s", "Traceback"), "no result; last line: Traceback")):
+        assert failed.status == FAIL and says in failed.reason

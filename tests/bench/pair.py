@@ -16,13 +16,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def rank0_output(script: str, *args: str, **env: str) -> str:
-    """Run SCRIPT as ranks 0 and 1 (one thread each, ENV added) and return rank 0's stdout."""
+def rank0_output(script: str, *args: str, quiet: bool = True, **env: str) -> str:
+    """Run SCRIPT as ranks 0 and 1 (one thread each, ENV added) and return rank 0's stdout;
+    their stderr is dropped unless not QUIET."""
     port = free_port()
     environ = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     procs = [subprocess.Popen([sys.executable, script, "--rank", str(rank), "--port", str(port),
                                *args], env=environ, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for rank in range(2)]
+                              stderr=subprocess.DEVNULL if quiet else None, text=True)
+             for rank in range(2)]
     out = procs[0].communicate(timeout=600)[0]
     procs[1].wait(timeout=600)
     return out

@@ -17,6 +17,9 @@ backend xscale.dist chooses, as a training job would:
   throughput    on one GPU, in interleaved rounds: python/imagenet.py against pytorch/examples'
                 imagenet/main.py (resnet50, synthetic images, same batch, fp32 as main.py has no
                 AMP), and GPT-neo-125M-shaped tokens/s with its MFU
+  snapshots     tests/bench/snapshots.py on one GPU: a peer snapshot copied on its side stream
+                while the next step is queued must be the state of its step; its stall against
+                the synchronize it replaced, and its share of the step time at `auto` K
 
 A failing check does not stop the others. The table goes to stdout, the same as JSON to
 OUT/result.json, each run's output to OUT/logs/. Exit status: 0 when nothing failed, 1 when a
@@ -51,6 +54,7 @@ from tests.gpu.verdict import (  # noqa: E402
     SKIP,
     Check,
     Expected,
+    judge_snapshots,
     judge_training,
     render_table,
     summary_of,
@@ -74,6 +78,7 @@ TIMEOUT_S = 1200  # per run: DeepSpeed JIT-builds its fused Adam on first use
 # Throughput runs: the first steps are left out (imagenet.py's summary leaves out min(5, steps/10)).
 BENCH_STEPS, BENCH_WARMUP = 50, 5
 GPT_SEQ_LEN, GPT_BATCH = 1024, 8
+SNAPSHOT_ROUNDS = 8  # the stall is milliseconds in a round of tenths of a second: medians
 COMPILE_GAIN = 1.2  # the compiled GPT-neo's least speed-up over eager (2.5x on an H200)
 
 
@@ -474,6 +479,15 @@ def check_throughput(ctx: Context) -> list[Check]:
             gpt_neo_row(ctx, compiled, compiled=True, eager_rate=eager_row.figures["tokens_s"])]
 
 
+def check_snapshots(ctx: Context) -> Check:
+    name = "snapshots side stream"
+    outcome = ctx.runner.run("snapshots", [
+        sys.executable, str(REPO / "tests" / "bench" / "snapshots.py"), "--device",
+        ctx.node.device, "--rounds", str(SNAPSHOT_ROUNDS), "--steps", "10"], child_env())
+    return failed_run(name, outcome, ctx.runner.timeout_s) or judge_snapshots(name,
+                                                                             outcome.output)
+
+
 def median_of(summaries: list[dict | None], key: str) -> float | None:
     """The median of KEY over the rounds' summaries that have it."""
     return median([summary[key] for summary in summaries
@@ -574,10 +588,12 @@ def run_checks(ctx: Context, groups: set[str]) -> list[Check]:
         checks += guarded("profile rank 0", lambda: check_profile(ctx))
     if "throughput" in groups:
         checks += guarded("throughput", lambda: check_throughput(ctx))
+    if "snapshots" in groups:
+        checks += guarded("snapshots", lambda: check_snapshots(ctx))
     return checks
 
 
-GROUPS = ("trainers", "doctor", "profile", "throughput")
+GROUPS = ("trainers", "doctor", "profile", "throughput", "snapshots")
 
 
 class Parser(argparse.ArgumentParser):

@@ -76,6 +76,34 @@ def judge_training(name: str, output: str, exit_code: int, expected: Expected) -
     return Check(name, FAIL if wrong else PASS, "; ".join(wrong), figures)
 
 
+SNAPSHOT_RESULT = "SNAPSHOT_BENCH "  # the start of tests/bench/snapshots.py's JSON line
+SNAPSHOT_SHARE = 0.01  # at `auto` K, snapshots may take this share of the step time at most
+
+
+def judge_snapshots(name: str, output: str) -> Check:
+    """tests/bench/snapshots.py --device: pass when its snapshot, copied on a side stream while
+    the next step was queued, is the state of its step, and when at `auto` K and 1,024 nodes
+    snapshots take at most SNAPSHOT_SHARE of the step time."""
+    results = [json.loads(line[len(SNAPSHOT_RESULT):]) for line in output.splitlines()
+               if line.startswith(SNAPSHOT_RESULT)]
+    if not results:
+        return Check(name, FAIL, f"the benchmark gave no result; {telling_line(output)}")
+    result = results[-1]
+    figures = {key: result.get(key) for key in ("state_mib", "step_s", "stall_s",
+                                                 "stall_synchronize_s", "copy_s",
+                                                 "auto_every_1024", "auto_share_1024")}
+    if not result["changed"]:
+        return Check(name, FAIL, "the step after the snapshot left the state as it was: the "
+                                 "comparison proves nothing", figures)
+    if not result["whole"]:
+        return Check(name, FAIL, "the snapshot is not the state of its step: the next step "
+                                 "overtook its copy", figures)
+    if result["auto_share_1024"] > SNAPSHOT_SHARE:
+        return Check(name, FAIL, f"at auto K, snapshots take {result['auto_share_1024']:.2%} "
+                                 f"of the step time (at most {SNAPSHOT_SHARE:.0%})", figures)
+    return Check(name, PASS, "", figures)
+
+
 def telling_line(output: str) -> str:
     """The run's first `PROG: error: ...` line (every xscale program's one-line errors), else its
     last line: under torchrun that would be its closing banner, not the rank's reason."""

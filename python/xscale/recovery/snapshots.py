@@ -15,11 +15,12 @@ their part; at most K steps are redone. A copy that fails its checksum is never 
 recovery is not possible, with one line, and the launch falls back to its newest checkpoint.
 
 The copies travel on a gloo group of their own (host memory to host memory, whatever the
-training's backend), made again after every recovery. The step waits only for the copy to host
-memory (a device's tensors straight into pinned memory, one wait for all); the checksum and the
-exchange run in a thread while training goes on, and the next snapshot waits for them. K is
-XSCALE_SNAPSHOT_EVERY, or with `auto` Young's interval from the first snapshot's stall. (On a
-GPU the copy is not yet on a side stream of its own: the step waits for it.)
+training's backend), made again after every recovery. A device's tensors go straight into pinned
+memory on a stream of their own (SideCopy): the step's host side does not wait for them, and the
+device's training stream waits only for the copy itself, not for a drained queue. Host tensors
+are copied before the step goes on. The checksum and the exchange run in a thread while training
+goes on, and the next snapshot waits for them. K is XSCALE_SNAPSHOT_EVERY, or with `auto` Young's
+interval from the first snapshot's stall.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class PeerSnapshots:
         self.taken = 0
         self.off: str | None = None  # why snapshots are off (host memory), once checked
         self.exchange: Exchange | None = None  # the newest snapshot's, while it runs
+        self.copy_s: float | None = None  # a device copy's seconds, measured at the first
 
     def _every_text(self) -> str:
         if self.schedule.every is None:
@@ -138,10 +140,21 @@ class PeerSnapshots:
                 self.schedule = Schedule(None, first_step=place.step)
         if not self.schedule.due(place.step) or not self.take(place.step, place):
             return None
-        held_s = time.perf_counter() - started
+        held_s = time.perf_counter() - started + self._device_copy_s()
         if self.schedule.every is None:
             self._decide(place.step, held_s, started)
         return held_s
+
+    def _device_copy_s(self) -> float:
+        """What the newest snapshot's copy holds the device's training stream up (SideCopy):
+        measured at the first snapshot, whose wait for it is the one time the host waits too;
+        later ones copy the same bytes. 0 when the state is on the host."""
+        copying = self.exchange.copying if self.exchange is not None else None
+        if copying is None:
+            return 0.0
+        if self.copy_s is None:
+            self.copy_s = copying.seconds()
+        return self.copy_s
 
     def _decide(self, step: int, held_s: float, now: float) -> None:
         """`auto`: K from rank 0's first snapshot and its steps' time (Young's interval, as
@@ -165,10 +178,11 @@ class PeerSnapshots:
 
     def take(self, step: int, place: Place) -> bool:
         """The snapshot of STEP (every rank at the same step): the own copy, which the step
-        waits for; its checksum and the exchange with the buddy and the partner follow in the
-        background (Exchange), the one before being finished first. GroupBroken if the group
-        broke meanwhile (a slot being filled is then incomplete, the other one whole). False:
-        snapshots are off (too little host memory), none was taken."""
+        waits for on the host (a device's, on a side stream, it does not); its checksum and the
+        exchange with the buddy and the partner follow in the background (Exchange), the one
+        before being finished first. GroupBroken if the group broke meanwhile (a slot being
+        filled is then incomplete, the other one whole). False: snapshots are off (too little
+        host memory), none was taken."""
         self.finish()
         tensors = self._tensors()
         if self.group is None:
@@ -177,9 +191,9 @@ class PeerSnapshots:
             return False
         slot = self.slots[self.taken % 2]
         slot.step = slot.held_step = None
-        _copy_in(slot.own, tensors)
+        copying = _copy_in(slot.own, tensors)
         slot.place = place
-        self.exchange = Exchange(slot, step, self.buddy, self.partner, self.group)
+        self.exchange = Exchange(slot, step, copying, self.buddy, self.partner, self.group)
         self.taken += 1
         return True
 
@@ -350,13 +364,14 @@ def memory_shortfall(sizes: list[int], free: list[int | None], per_node: int) ->
 
 
 class Exchange:
-    """A snapshot's background part, in a thread of its own: the own copy's checksum, then the
-    copy sent to the buddy while the partner's is received. The slot's steps are set as each
-    part is whole, so that a recovery counts only whole copies."""
+    """A snapshot's background part, in a thread of its own: the own copy's end (a device's,
+    on its side stream), its checksum, then the copy sent to the buddy while the partner's is
+    received. The slot's steps are set as each part is whole, so that a recovery counts only
+    whole copies."""
 
-    def __init__(self, slot: Slot, step: int, buddy_rank: int, partner_rank: int,
-                 group: dist.ProcessGroup) -> None:
-        self.slot, self.step, self.group = slot, step, group
+    def __init__(self, slot: Slot, step: int, copying: SideCopy | None, buddy_rank: int,
+                 partner_rank: int, group: dist.ProcessGroup) -> None:
+        self.slot, self.step, self.copying, self.group = slot, step, copying, group
         self.buddy, self.partner = buddy_rank, partner_rank
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name="xscale-snapshot")
@@ -364,6 +379,8 @@ class Exchange:
 
     def _run(self) -> None:
         try:
+            if self.copying is not None:
+                self.copying.wait()
             _seal(self.slot.own, self.step)  # zlib releases the GIL: training goes on
             self.slot.step = self.step
             works = dist.batch_isend_irecv([
@@ -390,18 +407,61 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def _copy_in(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """TENSORS into BUFFER's payload. A device's tensors are copied without a staging copy
-    (into pinned memory), all issued before the one wait for them."""
+def _copy_in(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> SideCopy | None:
+    """TENSORS into BUFFER's payload, each straight into its place (pinned memory: no staging
+    copy). With a device's tensors among them, on a side stream: the SideCopy to wait for
+    before BUFFER is read. None: all were on the host, and BUFFER is whole."""
+    device = next((tensor.device for tensor in tensors if tensor.device.type != "cpu"), None)
+    if device is None:
+        _copy_each(buffer, tensors)
+        return None
+    return SideCopy(device, lambda: _copy_each(buffer, tensors))
+
+
+def _copy_each(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     offset = HEADER.size
-    on_device = False
     for tensor in tensors:
         size = tensor.numel() * tensor.element_size()
         buffer[offset:offset + size].copy_(_byte_view(tensor), non_blocking=True)
-        on_device = on_device or tensor.device.type != "cpu"
         offset += _room(tensor)
-    if on_device:
-        torch.accelerator.synchronize()
+
+
+_SIDE_STREAMS: dict[torch.device, torch.Stream] = {}  # SideCopy's, one per device, kept
+
+
+class SideCopy:
+    """A snapshot's copy from a device into pinned host memory, issued on a stream of its own.
+
+    It starts after the training stream's work so far (the step's update), and the training
+    stream's next work starts after it: the next forward changes the buffers, the next optimizer
+    step the rest, so the device cannot train while it copies. What it spares is the host's
+    wait: the host goes on queueing the next step at once, where a synchronize would drain the
+    device's queue first and leave it idle until the host had queued work again. The same
+    ordering keeps a temporary of `state()` whole until copied: its memory goes back to the
+    training stream's pool, whose next work waits for the copy."""
+
+    def __init__(self, device: torch.device, issue: Callable[[], None]) -> None:
+        training = torch.accelerator.current_stream(device)
+        side = _SIDE_STREAMS.get(device)
+        if side is None:
+            side = _SIDE_STREAMS[device] = torch.Stream(device)
+        self.started = torch.Event(device, enable_timing=True)
+        self.done = torch.Event(device, enable_timing=True)
+        side.wait_stream(training)
+        with side:  # the copies are issued on it
+            self.started.record(side)
+            issue()
+            self.done.record(side)
+        training.wait_event(self.done)
+
+    def wait(self) -> None:
+        """Until the bytes are in host memory (the host waits; the device goes on)."""
+        self.done.synchronize()
+
+    def seconds(self) -> float:
+        """The copy's time on the device, once it has ended."""
+        self.wait()
+        return self.started.elapsed_time(self.done) / 1000
 
 
 def _seal(buffer: torch.Tensor, step: int) -> None:
