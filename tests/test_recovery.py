@@ -387,9 +387,10 @@ def test_a_grow_takes_its_ranks_in_once_they_came_and_gives_up_cleanly_when_they
     """Ranks 0 and 1 on n0, rank 2 on n1, no spare: n1 is lost and ranks 0 and 1 go on as a
     world of two. A grow before that finds nothing to grow. A grow whose ranks' srun ends
     before they came (abandon_grow) fails and leaves the world as it was; the next, whose rank
-    2 says Hello from n5, has ranks 0 and 1 leave generation 1 and forms generation 2 with
-    all three, in the launch's numbers, on two nodes. (Real ranks: the grow-back test above;
-    on the bed, tests/test_failures.py.)"""
+    2 says Hello from n5, waits for ranks 0 and 1 to step in generation 1 (a rank still
+    re-entering its loop would not leave in time), then has them leave it and forms generation
+    2 with all three, in the launch's numbers, on two nodes. (Real ranks: the grow-back test
+    above; on the bed, tests/test_failures.py.)"""
     host_side = host_module("coordinator")
     coordinator = host_side.Coordinator(3, lambda nodes, generation: None, lambda why: None,
                                         heartbeat_s=30.0, min_nodes=1)
@@ -445,7 +446,14 @@ def test_a_grow_takes_its_ranks_in_once_they_came_and_gives_up_cleanly_when_they
         growing.start()
         with coordinator.changed:  # started: its rank says Hello from its node
             assert coordinator.changed.wait_for(lambda: len(started) == 2, timeout=10)
-        form(2, [0, 1, 2], 2, [*ranks[:2], connect(2, "n5", generation=started[1])])
+        joining = connect(2, "n5", generation=started[1])
+        with coordinator.changed:  # it came, but the survivors have not stepped in generation 1
+            assert coordinator.changed.wait_for(lambda: all(coordinator.arriving.values()),
+                                                timeout=10)
+            assert not coordinator.changed.wait_for(lambda: coordinator.recovering, timeout=1)
+        for connection, _ in ranks[:2]:
+            connection.sendall(contract.encode(contract.Stepping(generation=1)))
+        form(2, [0, 1, 2], 2, [*ranks[:2], joining])
         growing.join(timeout=10)
         assert grown == [host_side.GROWN], grown
     finally:

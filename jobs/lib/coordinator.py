@@ -29,8 +29,10 @@ Beat for XSCALE_HEARTBEAT_S (a frozen node, which sends nothing at all). Then, i
 
 A smaller world grows back when a node is the training's again (`grow(ranks, start, node)`, the
 supervisor's once a node it asked the queue for runs, jobs/lib/grow_back.py): the lost ranks
-start there and say Hello; then every rank leaves its generation as after a failure (the step
-under way is dropped, none is redone), and the next forms with them, in the launch's numbers.
+start there and say Hello; once every rank of the generation has begun a step in it (Stepping:
+a rank still re-entering its loop after the last recovery would not leave within
+LEAVE_WINDOW_S), every rank leaves its generation as after a failure (the step under way is
+dropped, none is redone), and the next forms with them, in the launch's numbers.
 
 Anything else (a rank not live, a failure during a recovery, no spare left and no smaller world,
 a rank's own failure too often, a replacement that does not join within JOIN_TIMEOUT_S) is a
@@ -78,6 +80,7 @@ class Peer:
         self.not_live = None  # why its training cannot be recovered live, as it said
         self.failed = None  # its own error's first line, as it said before it ended
         self.left = self.joined = None  # the generation it last left, and joined
+        self.stepping = None  # the generation its loop began a step in (it said Stepping)
         self.left_step = None  # the optimizer steps it had done when it left
         self.timed_out = False  # its collective timed out: a peer never came
         self.store = None  # the address of the store it hosts for the group being formed
@@ -214,6 +217,8 @@ class Coordinator:
                 peer.left, peer.left_step = received.generation, received.step
             elif isinstance(received, contract.Joined):
                 peer.joined = received.generation
+            elif isinstance(received, contract.Stepping):
+                peer.stepping = received.generation
             elif isinstance(received, contract.Store):
                 peer.store = received.address
             elif isinstance(received, contract.Bye):
@@ -522,8 +527,9 @@ class Coordinator:
     def grow(self, ranks, start, node):
         """Take the launch's RANKS, which a smaller world went on without, back into the
         training: START(generation) starts them on NODE (one the job holds again) into that
-        generation; once each has said Hello (and a recovery that came meanwhile is over),
-        every rank leaves its generation and the next forms with them. GROWN, or BUSY (a
+        generation; once each has said Hello, a recovery that came meanwhile is over and every
+        rank of the generation steps in it, every rank leaves its generation and the next
+        forms with them. GROWN, or BUSY (a
         recovery is under way: try again), or FAILED (they did not come, or the training
         ended; the world stays as it is)."""
         with self.changed:
@@ -575,13 +581,17 @@ class Coordinator:
 
     def _arrivals(self):
         """Whether every rank of the grow under way said Hello, with no recovery under way (a
-        recovery that came meanwhile is waited for): the grow goes on, as a recovery. If not,
-        it is given up (the ranks that came are dismissed: they exit)."""
+        recovery that came meanwhile is waited for) and every rank of the generation stepping
+        in it: the grow goes on, as a recovery. If not, it is given up (the ranks that came are
+        dismissed: they exit)."""
         def over():
             return any(peer.bye for peer in self.peers.values())
 
+        def stepping():
+            return all(peer.stepping == self.generation for peer in self.peers.values())
+
         def ready():
-            return all(self.arriving.values()) and not self.recovering
+            return all(self.arriving.values()) and not self.recovering and stepping()
 
         with self.changed:
             self.changed.wait_for(lambda: ready() or self.grow_failed or self.fallen_back
@@ -591,7 +601,9 @@ class Coordinator:
                 return True
             why = self.grow_failed or ("the training is over" if over() else
                                        "the launch fell back" if self.fallen_back else
-                                       "they did not start within %.0f s" % JOIN_TIMEOUT_S)
+                                       "they did not start within %.0f s" % JOIN_TIMEOUT_S
+                                       if stepping() else "the training did not step within "
+                                       "%.0f s" % JOIN_TIMEOUT_S)
         self._dismiss_arrivals("the training did not take this node back")
         say("live recovery: the lost ranks did not come back (%s); the training goes on as it "
             "is" % why)

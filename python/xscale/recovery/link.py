@@ -63,6 +63,7 @@ class Link:
         self.on_broken: list[Callable[[], None]] = []
         self.closed = False
         self.is_live = False  # said Live: its loop can leave a broken step and re-enter
+        self.stepping_in: int | None = None  # the generation it said Stepping in
         self.received_state = generation == 0  # a replacement's comes from the survivors
         self.send(contract.Hello(rank=rank, node=contract.node_name(), pid=os.getpid(),
                                  generation=generation))
@@ -119,6 +120,13 @@ class Link:
     def left(self, step: int) -> None:
         """This rank left its broken group (aborted it), with STEP optimizer steps done."""
         self.send(contract.Left(generation=self.generation, step=step))
+
+    def stepping(self) -> None:
+        """This rank's loop begins a step: said once a generation, as from here an ABORT is
+        answered within a step (a rank still starting its loop may take far longer)."""
+        if self.stepping_in != self.generation:
+            self.stepping_in = self.generation
+            self.send(contract.Stepping(generation=self.generation))
 
     def next_store(self) -> tuple[dist.Store, int]:
         """The next group's store, and its generation, once the coordinator names them (JOIN):

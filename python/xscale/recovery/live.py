@@ -54,6 +54,7 @@ class Live:
         return self.kind.step_dropped
 
     def before_batch(self) -> None:
+        self.link.stepping()
         self.kind.before_batch()
 
     def before_update(self) -> None:

@@ -102,6 +102,10 @@ class Left(NamedTuple):
     step: int  # the optimizer steps this rank had done: where the failure happened
 
 
+class Stepping(NamedTuple):
+    generation: int  # its loop began a step there: from here it answers an Abort within a step
+
+
 class Store(NamedTuple):
     address: list  # [host, port]
 
@@ -143,9 +147,9 @@ class Dismiss(NamedTuple):
 
 
 MESSAGES = {"hello": Hello, "live": Live, "not_live": NotLive, "beat": Beat, "broken": Broken,
-            "left": Left, "store": Store, "joined": Joined, "bye": Bye, "failed": Failed,
-            "abort": Abort, "host_store": HostStore, "join": Join, "fallback": Fallback,
-            "dismiss": Dismiss}
+            "left": Left, "stepping": Stepping, "store": Store, "joined": Joined, "bye": Bye,
+            "failed": Failed, "abort": Abort, "host_store": HostStore, "join": Join,
+            "fallback": Fallback, "dismiss": Dismiss}
 KIND_OF = {kind_type: kind for kind, kind_type in MESSAGES.items()}
 
 
