@@ -659,18 +659,18 @@ def noted(progress: Path, event: str) -> bool:
     return any(f'"event": "{event}"' in line for line in lines)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
 def test_imagenet_deepspeed_outlives_a_crashed_node_from_peer_snapshots(cluster, images,
-                                                                         tmp_path, stage: int):
-    """DeepSpeed ZeRO-1 (ds_cpu_z1.json) or ZeRO-3 (ds_cpu_z3.json) on three nodes, one rank
-    each, and a spare: each rank holds its own partition of the fp32 weights and of Adam's
-    state (and, under ZeRO-3, of the weights the forward gathers), copied every 4 steps to its
-    buddy on the next node. nid002 crashed mid-run: as under FSDP2 above, the spare's rank
-    takes the lost partition from its buddy and the survivors roll back in place, the engine's
-    counters and scheduler with them. (That the weights then end as an uninterrupted run's:
-    tests/test_recovery.py, on real processes.)"""
+                                                                         tmp_path):
+    """DeepSpeed ZeRO-1 (ds_cpu_z1.json, the seeds' exercise) on three nodes, one rank each,
+    and a spare: each rank holds its own partition of the fp32 weights and of Adam's state,
+    copied every 4 steps to its buddy on the next node. nid002 crashed mid-run: as under FSDP2
+    above, the spare's rank takes the lost partition from its buddy and the survivors roll back
+    in place, the engine's counters and scheduler with them. (That the weights then end as an
+    uninterrupted run's, for ZeRO stages 1 and 3: tests/test_recovery.py, on real processes.
+    ZeRO-3 ran here too until its 45-60 s on the suite's longest path outweighed what it adds
+    to that test: the same kind, snapshots and hand-over, through this trainer and srun.)"""
     folder, _ = images
-    steps = 12
+    steps, stage = 12, 1
     config = ["--deepspeed_config", f"python/configs/ds_cpu_z{stage}.json"]
     text = crashed_under_snapshots(cluster, tmp_path, DEEPSPEED, *DS_TINY, *config, "-b", "16",
                                    "-j", "1", "--max-steps", str(steps), str(folder), **DS_ENV)
