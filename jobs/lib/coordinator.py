@@ -529,9 +529,8 @@ class Coordinator:
         training: START(generation) starts them on NODE (one the job holds again) into that
         generation; once each has said Hello, a recovery that came meanwhile is over and every
         rank of the generation steps in it, every rank leaves its generation and the next
-        forms with them. GROWN, or BUSY (a
-        recovery is under way: try again), or FAILED (they did not come, or the training
-        ended; the world stays as it is)."""
+        forms with them. GROWN, or BUSY (a recovery is under way: try again), or FAILED (they
+        did not come, or the training ended; the world stays as it is)."""
         with self.changed:
             if self.recovering or self.fallen_back or self.layout is None \
                     or set(ranks) & set(self.layout):
@@ -599,11 +598,16 @@ class Coordinator:
             if ready() and not (self.grow_failed or self.fallen_back or over()):
                 self.recovering = True  # a failure from here on ends live recovery
                 return True
-            why = self.grow_failed or ("the training is over" if over() else
-                                       "the launch fell back" if self.fallen_back else
-                                       "they did not start within %.0f s" % JOIN_TIMEOUT_S
-                                       if stepping() else "the training did not step within "
-                                       "%.0f s" % JOIN_TIMEOUT_S)
+            if self.grow_failed:
+                why = self.grow_failed
+            elif over():
+                why = "the training is over"
+            elif self.fallen_back:
+                why = "the launch fell back"
+            elif not stepping():
+                why = "the training did not step within %.0f s" % JOIN_TIMEOUT_S
+            else:
+                why = "they did not start within %.0f s" % JOIN_TIMEOUT_S
         self._dismiss_arrivals("the training did not take this node back")
         say("live recovery: the lost ranks did not come back (%s); the training goes on as it "
             "is" % why)
