@@ -382,14 +382,15 @@ def test_the_throughput_rows_say_what_ran_and_put_the_verdicts_mfu_beside_the_fo
 
 def test_the_snapshot_row_judges_the_benchmarks_own_result_and_each_way_it_fails():
     # The benchmark as gpu-check runs it, here with the host as the device: the same trainer,
-    # holder and comparison, the copy without a side stream (which only a GPU has).
+    # holder and comparison, the copy without a side stream (which only a GPU has); a small
+    # model with BatchNorm, whose buffers the step after the snapshot changes too.
     bench = subprocess.run([sys.executable, str(REPO / "tests" / "bench" / "snapshots.py"),
-                            "--device", "cpu", "--rounds", "1", "--steps", "2",
-                            "--batch-size", "2", "--image-size", "32"],
+                            "--device", "cpu", "--arch", "mobilenet_v3_small", "--rounds", "1",
+                            "--steps", "2", "--batch-size", "2", "--image-size", "32"],
                            capture_output=True, text=True, timeout=300, check=True)
     row = judge_snapshots("snapshots side stream", bench.stdout)
     assert row.status == PASS, row.reason
-    assert row.figures["state_mib"] > 90 and row.figures["auto_every_1024"] >= 1
+    assert row.figures["state_mib"] > 20 and row.figures["auto_every_1024"] >= 1
     assert "the snapshot is the state of its step: True" in bench.stdout
 
     def judged(**changes: object) -> Check:

@@ -8,8 +8,9 @@ and transfer run in the background); then K as XSCALE_SNAPSHOT_EVERY=auto decide
 interval, the default node MTBF) and the share of the step time the snapshots then take, at
 this job's 2 nodes and at 1,024.
 
-With --device (cuda or xpu: gpu-check's `snapshots` row) rank 0 trains resnet50 alone on its
-device (batch 32 of 224 x 224 images, Adam) and rank 1, on the host, holds its copies. Rounds of
+With --device (cuda or xpu: gpu-check's `snapshots` row) rank 0 trains resnet50 (--arch: another
+of torchvision's) alone on its device (batch 32 of 224 x 224 images, Adam) and rank 1, on the
+host, holds its copies. Rounds of
 N steps, timed on the device's clock: none, one snapshot after the first step on its side stream
 (SideCopy), and one with the synchronize that stream replaced, interleaved; each is taken once
 the exchange before has ended, as K steps later it would be. "stall": a snapshot round's time
@@ -45,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default=None,
                         help="train on this device instead (cuda, xpu): its side-stream copy")
+    parser.add_argument("--arch", default="resnet50", help="with --device: torchvision's model")
     parser.add_argument("--batch-size", type=int, default=32, help="with --device")
     parser.add_argument("--image-size", type=int, default=224, help="with --device")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -139,7 +141,7 @@ def device_trainer(args: argparse.Namespace) -> None:
 
     device = torch.device(args.device, 0)
     torch.manual_seed(0)
-    model = torchvision.models.resnet50().to(device)
+    model = torchvision.models.get_model(args.arch).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     labels = torch.randint(0, 1000, (args.batch_size,), device=device)
@@ -201,7 +203,7 @@ def device_trainer(args: argparse.Namespace) -> None:
                                             cadence.NODE_MTBF_H)
         result[f"auto_every_{nodes}"] = every
         result[f"auto_share_{nodes}"] = max(result["stall_s"], 0.0) / (every * step_s)
-    print(f"resnet50 on {device}, Adam, batch {args.batch_size}: {result['state_mib']:.0f} MiB "
+    print(f"{args.arch} on {device}, Adam, batch {args.batch_size}: {result['state_mib']:.0f} MiB "
           f"of state; host memory {result['host_mib']:.0f} MiB (two snapshots, each its own "
           f"copy and its partner's)")
     side_ms, synchronize_ms = (1000 * stall[kind] for kind in ("side stream", "synchronize"))
@@ -258,8 +260,8 @@ def main() -> None:
         return
     options = ["--rounds", str(args.rounds), "--steps", str(args.steps)]
     if args.device is not None:
-        options += ["--device", args.device, "--batch-size", str(args.batch_size),
-                    "--image-size", str(args.image_size)]
+        options += ["--device", args.device, "--arch", args.arch, "--batch-size",
+                    str(args.batch_size), "--image-size", str(args.image_size)]
     # With a device, a failure's traceback goes to stderr (gpu-check's log): one run per session
     print(rank0_output(__file__, *options, quiet=args.device is None), end="")
 
