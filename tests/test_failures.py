@@ -464,19 +464,19 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
                                                                    tmp_path):
     """Rank 3 on nid002 frozen (SIGSTOP: a stuck GPU, a node swapping) mid-training, as a LUMI
     user's job gets it: its peers time out in the collective it never joined, and the report
-    names rank 3, not the healthy rank whose collective timed out first, with its Python stack;
-    no node is blamed, so nothing is retried."""
+    names rank 3, not the healthy rank whose collective timed out first, with its Python stack
+    and its DataLoader worker's; no node is blamed, so nothing is retried."""
     timeout_s = 10
     out_dir, output = tmp_path / "out", tmp_path / "job.out"
     job_env = virtual_env(tmp_path, DATA=str(mnist_data), OUTPUT_DIR=str(out_dir),
                           MAX_STEPS="1000000",
                           XSCALE_TIMEOUT_S=str(timeout_s))
     job_id = cluster.submit(LUMI_MNIST, "--checkpoint-every", "4", "--epochs", "100000",
-                            env=job_env, output=output,
+                            "--workers", "1", env=job_env, output=output,
                             sbatch_options=(*VIRTUAL, "--nodes=2", "--nodelist=nid[001-002]"))
     try:
         wait_for(lambda: any(out_dir.glob("ckpt-*.pt")), 240, "training to be under way")
-        victim = rank_pid(job_id, 3)
+        victim = trainer_pids(job_id)[3]  # not its worker, which has its RANK too
         assert job_processes(job_id)[victim]["SLURMD_NODENAME"] == "nid002"
         frozen_at = time.monotonic()
         os.kill(victim, signal.SIGSTOP)
@@ -509,6 +509,12 @@ def test_a_frozen_rank_is_named_with_the_collective_it_never_joined(cluster, mni
     stack = [line for line in text.splitlines() if line.startswith("xscale:   3: ")]
     assert any("Thread" in line for line in stack), text[-4000:]
     assert any(re.search(r"\(\S+\.py:\d+\)", line) for line in stack), stack
+    # Its DataLoader worker's, read with it: a rank that waits for a stuck worker shows only the
+    # wait, its worker what it is stuck in (docs/FAILURES.md, "A hang names the rank").
+    child = next(at for at, line in enumerate(stack)
+                 if re.fullmatch(r"xscale:   3: its child process \d+:", line))
+    assert re.fullmatch(r'xscale:   3: Thread \d+ \([\w+]+\): "MainThread"', stack[child + 1]) and \
+        re.search(r"\(\S+\.py:\d+\)", stack[child + 2]), stack
     knock_on = next(line for line in report if line.startswith("xscale: knock-on"))
     # The three that waited, as srun reported their ends; rank 3's own end is the hang's.
     assert knock_on.startswith("xscale: knock-on: 3 ranks ended after it:"), knock_on

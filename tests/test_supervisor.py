@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.helpers import JOBS_LIB, assert_python36_code, find_python36, host_module
+from tests.conftest import REPO, VENV_BIN, tool_env
+from tests.helpers import JOBS_LIB, assert_python36_code, find_python36, host_module, wait_for
 
 # Everything the batch host runs or imports in Python.
 HOST_PYTHON = [*(JOBS_LIB / f"{name}.py" for name in ("supervisor", "failure_report", "shared",
@@ -246,6 +247,52 @@ def test_no_timeout_no_hang_and_late_records_do_not_count(tmp_path):
     hang = hangs.read_hang(str(tmp_path / "fr"), PLACEMENT, str(tmp_path / "stack-rank"))
     assert hang.culprits == [3]
     assert hang.stacks == {3: ['Thread 7 (idle): "MainThread"', "    step (train.py:9)"]}
+
+
+# A rank whose DataLoader worker never returns its batch: the rank waits for the worker, as a
+# restarted Trainer rank did on the bed (docs/FAILURES.md, "A hang names the rank").
+WAITS_FOR_A_STUCK_WORKER = """
+import threading
+from torch.utils.data import DataLoader, Dataset
+
+class Stuck(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        threading.Event().wait()
+
+for batch in DataLoader(Stuck(), num_workers=1, multiprocessing_context="fork"):
+    pass
+"""
+
+
+def test_a_hung_ranks_stack_shows_what_its_dataloader_worker_hung_in(tmp_path):
+    """rank_stack.py reads the rank of a job step, not its worker (which inherits the rank's
+    environment), with py-spy on the real processes; the report's stack is the rank's main
+    thread, which only waits, then its worker's, which says where the wait comes from."""
+    step = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "RANK": "3"}
+    rank = subprocess.Popen([str(VENV_BIN / "python"), "-c", WAITS_FOR_A_STUCK_WORKER],
+                            env=tool_env(step), start_new_session=True)
+    reader = [str(VENV_BIN / "python"), str(REPO / "runscripts" / "lib" / "rank_stack.py"),
+              "42.0", "3"]
+    try:
+        def dumped() -> str:
+            dump = subprocess.run(reader, capture_output=True, text=True, timeout=60,
+                                  env=tool_env()).stdout
+            return dump if "Stuck.__getitem__" in dump and "_try_get_data" in dump else ""
+
+        (tmp_path / "stack-rank3.txt").write_text(wait_for(dumped, 60, "the worker's wait"))
+        worker = Path(f"/proc/{rank.pid}/task/{rank.pid}/children").read_text().split()[0]
+    finally:
+        os.killpg(rank.pid, signal.SIGKILL)  # the worker with it: a stuck one outlives the rank
+        rank.wait()
+    stack = host_module("hangs").read_stack_file(str(tmp_path / "stack-rank3.txt"))
+    child = stack.index(f"its child process {worker}:")
+    assert stack[0].startswith(f"Thread {rank.pid} ") and stack[0].endswith('"MainThread"')
+    assert any("_try_get_data" in line for line in stack[:child]), stack
+    assert stack[child + 1].startswith(f"Thread {worker} "), stack
+    assert any("Stuck.__getitem__" in line for line in stack[child + 2:]), stack
 
 
 def test_a_stack_reader_runs_in_the_launch_s_image_beside_its_ranks():

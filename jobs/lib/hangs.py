@@ -35,6 +35,7 @@ SETTLE_S = 5.0
 MAX_STACKS = 4   # a hang of many ranks (a whole node) is told by the first few
 STACK_TIMEOUT_S = 20
 STACK_LINES = 12
+MAX_CHILD_STACKS = 2  # a rank's DataLoader workers: the first two tell what they do
 TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
 
 
@@ -268,16 +269,32 @@ def collective_name(record, group, seq):
 
 
 def read_stack_file(path):
-    """A saved stack's first thread, the main one (py-spy's header, which names the process,
-    and the helper threads' stacks are left to the file), at most STACK_LINES lines; or the one
-    line that says why there is none."""
+    """A saved stack's first thread, the main one, at most STACK_LINES lines (py-spy's header,
+    which names the process, and the helper threads' stacks are left to the file); then the
+    main thread of each of its first MAX_CHILD_STACKS child processes (DataLoader workers), under
+    a line that names the child. Or the one line that says why there is none."""
     try:
         with open(path) as handle:
-            lines = [line.rstrip() for line in handle if line.strip()]
+            # Not the blank lines, nor the line of dashes between two processes.
+            lines = [line.rstrip() for line in handle if line.strip().strip("-")]
     except OSError:
         return []
+    starts = [at for at, line in enumerate(lines) if line.startswith("Process ")]
+    if not starts:
+        return main_thread(lines)
+    ends = starts[1:] + [len(lines)]
+    sections = [lines[start:ends[at]] for at, start in enumerate(starts)]
+    stack = main_thread(sections[0])
+    for child in sections[1:1 + MAX_CHILD_STACKS]:
+        pid = child[0].split()[1].rstrip(":")
+        stack += ["its child process %s:" % pid] + main_thread(child)
+    return stack
+
+
+def main_thread(lines):
+    """The first thread's lines of one process's py-spy dump, at most STACK_LINES; without a
+    thread (a reader's error), its first lines."""
     threads = [at for at, line in enumerate(lines) if line.startswith("Thread ")] + [len(lines)]
     if len(threads) == 1:
         return lines[:STACK_LINES]
     return lines[threads[0]:threads[1]][:STACK_LINES]
-

@@ -6,9 +6,11 @@
 The supervisor (jobs/lib/supervisor.py) starts this on the node that holds a rank which
 never joined a collective, with `srun --overlap`, in the step's own image (py-spy is in it):
 it finds the rank's process (the one whose environment names this job step and RANK, and whose
-parent does not: not one of its DataLoader workers) and prints `py-spy dump` of it. --nonblocking:
-py-spy's default pause fails on a process that is stopped already (a frozen rank), and a hung one
-needs no pause to be read. Standard library only, Python 3.6 and later; errors: one line, exit 1.
+parent does not: not one of its DataLoader workers) and prints `py-spy dump` of it and of its
+child processes (--subprocesses): a rank that waits for a DataLoader worker which hung shows
+only the wait, its worker what it hung in. --nonblocking: py-spy's default pause fails on a
+process that is stopped already (a frozen rank), and a hung one needs no pause to be read.
+Standard library only, Python 3.6 and later; errors: one line, exit 1.
 """
 
 import os
@@ -57,7 +59,8 @@ def main(argv):
     if py_spy is None:
         print("rank_stack.py: error: py-spy is not installed here", file=sys.stderr)
         return 1
-    return subprocess.run([py_spy, "dump", "--nonblocking", "--pid", pid]).returncode
+    return subprocess.run([py_spy, "dump", "--nonblocking", "--subprocesses",
+                           "--pid", pid]).returncode
 
 
 if __name__ == "__main__":
