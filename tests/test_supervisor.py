@@ -295,6 +295,57 @@ def test_a_hung_ranks_stack_shows_what_its_dataloader_worker_hung_in(tmp_path):
     assert any("Stuck.__getitem__" in line for line in stack[child + 2:]), stack
 
 
+# py-spy's dump of a GPU rank with --subprocesses (the format as the test above reads it from
+# real processes): its resource tracker and fork server come before the worker, a grandchild.
+GPU_RANK_DUMP = """Process 10: python train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 10 (idle): "MainThread"
+    _try_get_data (torch/utils/data/dataloader.py:1293)
+    train (train.py:40)
+Thread 12 (idle): "pin_memory"
+    _pin_memory_loop (torch/utils/data/_utils/pin_memory.py:55)
+
+{dashes}
+Process 11: python -c from multiprocessing.resource_tracker import main;main(5)
+Python v3.11.7 (/usr/bin/python3.11)
+Parent Process 10: python train.py
+
+Thread 11 (idle): "MainThread"
+    main (multiprocessing/resource_tracker.py:216)
+
+{dashes}
+Process 13: python -c from multiprocessing.forkserver import main; main(6, 7, ['torch'])
+Python v3.11.7 (/usr/bin/python3.11)
+Parent Process 10: python train.py
+
+Thread 13 (idle): "MainThread"
+    main (multiprocessing/forkserver.py:217)
+
+{dashes}
+Process 14: python -c from multiprocessing.forkserver import main; main(6, 7, ['torch'])
+Python v3.11.7 (/usr/bin/python3.11)
+Parent Process 13: python -c from multiprocessing.forkserver import main; main(6, 7, ['torch'])
+
+Thread 14 (idle): "MainThread"
+    read (/lustre/data.py:12)
+    _worker_loop (/opt/torch/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py:375)
+""".format(dashes="-" * 80)
+
+
+def test_a_hung_ranks_report_shows_its_dataloader_worker_before_its_helper_processes(tmp_path):
+    (tmp_path / "stack-rank3.txt").write_text(GPU_RANK_DUMP)
+    stack = host_module("hangs").read_stack_file(str(tmp_path / "stack-rank3.txt"))
+    assert stack == [
+        'Thread 10 (idle): "MainThread"', "    _try_get_data (torch/utils/data/dataloader.py:1293)",
+        "    train (train.py:40)",
+        "its child process 14:", 'Thread 14 (idle): "MainThread"', "    read (/lustre/data.py:12)",
+        "    _worker_loop (/opt/torch/lib/python3.11/site-packages/torch/utils/data/_utils/"
+        "worker.py:375)",
+        "its child process 11:", 'Thread 11 (idle): "MainThread"',
+        "    main (multiprocessing/resource_tracker.py:216)"]
+
+
 def test_a_stack_reader_runs_in_the_launch_s_image_beside_its_ranks():
     """The py-spy line is built from the launch line's parts, not found in its argv."""
     line = host_module("launch_line").LaunchLine(

@@ -36,6 +36,7 @@ MAX_STACKS = 4   # a hang of many ranks (a whole node) is told by the first few
 STACK_TIMEOUT_S = 20
 STACK_LINES = 12
 MAX_CHILD_STACKS = 2  # a rank's DataLoader workers: the first two tell what they do
+WORKER = "torch/utils/data/_utils/worker.py"  # a frame only a DataLoader worker's stack has
 TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
 
 
@@ -271,8 +272,8 @@ def collective_name(record, group, seq):
 def read_stack_file(path):
     """A saved stack's first thread, the main one, at most STACK_LINES lines (py-spy's header,
     which names the process, and the helper threads' stacks are left to the file); then the
-    main thread of each of its first MAX_CHILD_STACKS child processes (DataLoader workers), under
-    a line that names the child. Or the one line that says why there is none."""
+    main thread of MAX_CHILD_STACKS of its child processes, DataLoader workers first, each
+    under a line that names the child. Or the one line that says why there is none."""
     try:
         with open(path) as handle:
             # Not the blank lines, nor the line of dashes between two processes.
@@ -285,7 +286,10 @@ def read_stack_file(path):
     ends = starts[1:] + [len(lines)]
     sections = [lines[start:ends[at]] for at, start in enumerate(starts)]
     stack = main_thread(sections[0])
-    for child in sections[1:1 + MAX_CHILD_STACKS]:
+    # DataLoader workers first: on a GPU the rank's first children are its resource tracker and
+    # the fork server (xscale.lifecycle.worker_context), which only wait.
+    children = sorted(sections[1:], key=lambda child: not any(WORKER in line for line in child))
+    for child in children[:MAX_CHILD_STACKS]:
         pid = child[0].split()[1].rstrip(":")
         stack += ["its child process %s:" % pid] + main_thread(child)
     return stack
