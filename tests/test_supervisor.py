@@ -296,7 +296,8 @@ def test_a_hung_ranks_stack_shows_what_its_dataloader_worker_hung_in(tmp_path):
 
 
 # py-spy's dump of a GPU rank with --subprocesses (the format as the test above reads it from
-# real processes): its resource tracker and fork server come before the worker, a grandchild.
+# real processes): its resource tracker comes before the worker, a child of its fork server
+# (whose own dump, which only waits too, is left out here).
 GPU_RANK_DUMP = """Process 10: python train.py
 Python v3.11.7 (/usr/bin/python3.11)
 
@@ -313,14 +314,6 @@ Parent Process 10: python train.py
 
 Thread 11 (idle): "MainThread"
     main (multiprocessing/resource_tracker.py:216)
-
-{dashes}
-Process 13: python -c from multiprocessing.forkserver import main; main(6, 7, ['torch'])
-Python v3.11.7 (/usr/bin/python3.11)
-Parent Process 10: python train.py
-
-Thread 13 (idle): "MainThread"
-    main (multiprocessing/forkserver.py:217)
 
 {dashes}
 Process 14: python -c from multiprocessing.forkserver import main; main(6, 7, ['torch'])
